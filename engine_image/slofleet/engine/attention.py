@@ -1,0 +1,102 @@
+"""The attention interface over a paged KV cache, and its torch implementation.
+
+Every backend takes the same flat batch: the new tokens of all sequences concatenated ([T, heads, dim]),
+`slot_mapping` (where each new token's K/V goes: block_id * block_size + offset), `query_start_loc`
+(prefix sums of query lengths, [B+1]), `seq_lens` (context length after this step, [B]) and
+`block_tables` ([B, max_blocks]). Prefill chunks and decodes share one call. The torch backend is the
+CPU path and the test oracle; the Triton kernels implement the same signature.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (padding: 0)
+    max_query_len: int
+    max_seq_len: int
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    # Set once per batch by the torch backend and reused by every layer.
+    cache: dict | None = None
+
+
+class TorchAttention:
+    """Reference paged attention: scatter new K/V into their slots, then attend over each block table."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    @staticmethod
+    def write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        kvh, d = k.shape[1], k.shape[2]
+        k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+
+    def _plan(self, meta: AttentionMetadata, device: torch.device) -> dict:
+        """Gather indices and masks shared by all layers of one step."""
+        bs = self.block_size
+        qlens, slens = meta.query_lens_host, meta.seq_lens_host
+        decodes = [i for i, q in enumerate(qlens) if q == 1]
+        plan: dict = {"decodes": decodes, "prefills": [i for i, q in enumerate(qlens) if q > 1]}
+        if decodes:
+            max_len = max(slens[i] for i in decodes)
+            pos = torch.arange(max_len, device=device)
+            idx = torch.as_tensor(decodes, device=device)
+            tables = meta.block_tables[idx].long()
+            nblk = -(-max_len // bs)
+            slots = (tables[:, :nblk, None] * bs + torch.arange(bs, device=device)).reshape(len(decodes), -1)[:, :max_len]
+            lens = meta.seq_lens[idx].long()
+            plan["decode_slots"] = slots
+            plan["decode_mask"] = (pos[None, :] < lens[:, None])[:, None, None, :]
+            plan["decode_rows"] = meta.query_start_loc[idx].long()
+        prefill_info = []
+        for i in plan["prefills"]:
+            start, q, L = int(meta.query_start_loc[i]), qlens[i], slens[i]
+            if q == L:  # nothing cached before this chunk: plain causal attention on the new K/V
+                prefill_info.append((start, q, None, None))
+                continue
+            table = meta.block_tables[i, : -(-L // bs)].long()
+            slots = (table[:, None] * bs + torch.arange(bs, device=device)).reshape(-1)[:L]
+            qpos = torch.arange(L - q, L, device=device)
+            mask = torch.arange(L, device=device)[None, :] <= qpos[:, None]
+            prefill_info.append((start, q, slots, mask))
+        plan["prefill_info"] = prefill_info
+        return plan
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.write(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.cache is None:
+            meta.cache = self._plan(meta, q.device)
+        plan = meta.cache
+        kvh, d = k.shape[1], k.shape[2]
+        kc, vc = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
+        out = torch.empty_like(q)
+        if plan["decodes"]:
+            rows = plan["decode_rows"]
+            slots = plan["decode_slots"]
+            kk = kc[slots].transpose(1, 2)  # [B, kvh, L, d]
+            vv = vc[slots].transpose(1, 2)
+            qq = q[rows].unsqueeze(2)  # [B, h, 1, d]
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=plan["decode_mask"], scale=scale,
+                                               enable_gqa=True)
+            out[rows] = o.squeeze(2)
+        for start, n, slots, mask in plan["prefill_info"]:
+            qq = q[start:start + n].transpose(0, 1)
+            if slots is None:
+                kk, vv = k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                kk, vv = kc[slots].transpose(0, 1), vc[slots].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start:start + n] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,76 @@
+"""Per-request block tables over the block pool, with prefix-cache lookup and registration."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .block_pool import Block, BlockPool, hash_block
+from .request import Request
+
+
+@dataclass
+class PrefixStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens found cached
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.tables: dict[str, list[Block]] = {}
+        self.stats = PrefixStats()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.tables.get(request_id, ())]
+
+    def _update_hashes(self, req: Request, num_tokens: int) -> None:
+        """Extend the request's hash chain over every full block of its first num_tokens tokens."""
+        bs = self.block_size
+        for i in range(len(req.block_hashes), num_tokens // bs):
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.block_hashes.append(hash_block(parent, [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]))
+
+    def computed_blocks(self, req: Request) -> tuple[list[Block], int]:
+        """Longest cached prefix of full blocks. The last token is always left to compute,
+        because its logits are needed to sample the next token."""
+        if not self.pool.enable_caching:
+            return [], 0
+        limit = (req.num_tokens - 1) // self.block_size
+        self._update_hashes(req, limit * self.block_size)
+        hits: list[Block] = []
+        for h in req.block_hashes[:limit]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate(self, req: Request, num_new_tokens: int, hits: list[Block] = ()) -> bool:
+        """Reserve blocks so num_computed + cached + num_new tokens fit; False when the pool is short."""
+        table = self.tables.setdefault(req.request_id, [])
+        first_allocation = not table
+        num_total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        need = self.blocks_needed(num_total) - len(table) - len(hits)
+        evictable_hits = sum(1 for b in hits if b.ref_count == 0)
+        if need > self.pool.num_free - evictable_hits:
+            if not table:
+                del self.tables[req.request_id]
+            return False
+        if first_allocation and self.pool.enable_caching:
+            self.stats.queries += req.num_tokens
+            self.stats.hits += len(hits) * self.block_size
+        self.pool.touch(list(hits))
+        table.extend(hits)
+        if need > 0:
+            table.extend(self.pool.allocate(need))
+        # Blocks this step fills are registered now: their tokens are known and computed in this step.
+        self._update_hashes(req, num_total)
+        for i in range(req.num_computed_tokens // self.block_size, len(req.block_hashes)):
+            self.pool.register(table[i], req.block_hashes[i])
+        return True
+
+    def free(self, req: Request) -> None:
+        self.pool.release(self.tables.pop(req.request_id, []))

@@ -1,0 +1,45 @@
+"""Offline API: `LLM().generate(prompts, SamplingParams(...))`, as vLLM users know it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+
+
+class LLM:
+    def __init__(self, model: str = "default", **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Run every prompt to completion together (continuous batching); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        texts = {r.request_id: [] for r in reqs}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                texts[out.request_id].append(out.new_text)
+        return [CompletionOutput(r.prompt_token_ids, list(r.output_token_ids), "".join(texts[r.request_id]),
+                                 r.finish_reason, r.output_logprobs if r.params.logprobs is not None else None)
+                for r in reqs]
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)

@@ -1,0 +1,164 @@
+"""Llama-family forward pass (Llama, Qwen2, Mistral, SmolLM) over the paged KV cache.
+
+Written against the attention interface only; no transformers modeling code. Q/K/V and gate/up
+projections are fused into one matrix each, so a step runs two large GEMMs where it would run five.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .attention import AttentionMetadata, TorchAttention
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+def rope_settings(config) -> dict:
+    """Rope parameters across transformers versions (`rope_parameters` in v5, `rope_theta`/`rope_scaling` before)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def inv_frequencies(config, head_dim: int) -> torch.Tensor:
+    p = rope_settings(config)
+    # fp32 arithmetic exactly as the reference implementation, so angles agree bit for bit
+    inv = 1.0 / (p["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    kind = p["rope_type"]
+    if kind == "default":
+        return inv.float()
+    if kind == "linear":
+        return (inv / p["factor"]).float()
+    if kind == "llama3":
+        factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old = p["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
+    raise ValueError(f"rope type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+class Rotary:
+    """cos/sin tables, computed on the CPU even while the model is built on the meta device."""
+
+    def __init__(self, config, head_dim: int, max_len: int):
+        pos = torch.arange(max_len, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(pos, inv_frequencies(config, head_dim).to("cpu"))
+        self.cos, self.sin = freqs.cos(), freqs.sin()
+
+    def to(self, device: torch.device) -> "Rotary":
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        return self
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # Rotate-half convention, as in the Hugging Face checkpoints.
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, attention: TorchAttention):
+        super().__init__()
+        h, self.n_heads, self.n_kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or h // self.n_heads
+        qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.qkv_proj = nn.Linear(h, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bool(getattr(config, "attention_bias", False)))
+        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=mlp_bias)
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.attention = attention
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, rotary, k_cache, v_cache, meta: AttentionMetadata):
+        hd = self.head_dim
+        q, k, v = self.qkv_proj(self.input_layernorm(x)).split(
+            [self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        q = rotary(positions, q.view(-1, self.n_heads, hd))
+        k = rotary(positions, k.view(-1, self.n_kv, hd))
+        o = self.attention.forward(q, k, v.view(-1, self.n_kv, hd), k_cache, v_cache, meta, self.scale)
+        x = x + self.o_proj(o.reshape(-1, self.n_heads * hd))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(nn.functional.silu(gate) * up)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config, attention: TorchAttention, max_len: int):
+        super().__init__()
+        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, attention) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(config, self.layers[0].head_dim, max_len)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits (fp32) for the rows in logits_indices only: prompt positions never reach the LM head."""
+        x = self.embed_tokens(input_ids)
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kc, vc, meta)
+        return self.lm_head(self.norm(x[logits_indices])).float()
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Fill the fused parameters from Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...)."""
+        own = dict(self.named_parameters())
+        fused = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+        plain = {"o_proj": "self_attn.o_proj", "down_proj": "mlp.down_proj",
+                 "input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm"}
+        loaded: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            loaded.add(name)
+            return tensors[name]
+
+        with torch.no_grad():
+            for name, param in own.items():
+                if name == "lm_head.weight" and self.lm_head.weight is self.embed_tokens.weight:
+                    continue
+                if name.startswith("layers."):
+                    _, idx, mod, kind = name.split(".")
+                    prefix = f"model.layers.{idx}."
+                    if mod in fused:
+                        src = torch.cat([take(f"{prefix}{p}.{kind}") for p in fused[mod]], dim=0)
+                    else:
+                        src = take(f"{prefix}{plain[mod]}.{kind}")
+                elif name == "lm_head.weight":
+                    src = take("lm_head.weight") if "lm_head.weight" in tensors else take("model.embed_tokens.weight")
+                else:
+                    src = take(f"model.{name}")
+                if src.shape != param.shape:
+                    raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)}, model {tuple(param.shape)}")
+                param.copy_(src)
+        unused = [n for n in tensors if n not in loaded and "rotary_emb" not in n]
+        if unused and not (unused == ["lm_head.weight"] and self.lm_head.weight is self.embed_tokens.weight):
+            raise ValueError(f"checkpoint has weights the model does not use: {unused[:5]}")

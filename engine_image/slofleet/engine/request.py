@@ -1,0 +1,89 @@
+"""A request's state inside the engine, and the lifecycle events that metrics derive from."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+# Lifecycle event names; metrics and the per-request log line are computed from these alone.
+ARRIVED, QUEUED, SCHEDULED, FIRST_TOKEN, PREEMPTED, FINISHED = (
+    "arrived", "queued", "scheduled", "first_token", "preempted", "finished")
+
+
+@dataclass(eq=False)  # identity semantics: requests are compared and removed by object
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against max_model_len
+    priority: int = 0
+    bucket: str = "default"
+    deadline: float | None = None  # time.monotonic() by which it must be scheduled
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
+    num_prompt_computed: int = 0  # prompt tokens this engine actually computed (recompute included)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    events: list[tuple[str, float]] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.record(ARRIVED, self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def sort_key(self) -> tuple:
+        # Lower priority value runs first (vLLM's convention); then earliest deadline, then arrival.
+        return (self.priority, self.deadline if self.deadline is not None else float("inf"), self.arrival_time)
+
+    def record(self, name: str, t: float | None = None) -> None:
+        self.events.append((name, time.monotonic() if t is None else t))
+
+    def first(self, name: str) -> float | None:
+        return next((t for n, t in self.events if n == name), None)
+
+    def timings(self) -> dict[str, float]:
+        """Queue, prefill, decode and end-to-end seconds, from the lifecycle events."""
+        arrived, sched = self.first(ARRIVED), self.first(SCHEDULED)
+        first_tok, done = self.first(FIRST_TOKEN), self.first(FINISHED)
+        out: dict[str, float] = {}
+        if sched is not None:
+            out["queue_s"] = sched - arrived
+        if first_tok is not None:
+            out["ttft_s"] = first_tok - arrived
+            if sched is not None:
+                out["prefill_s"] = first_tok - sched
+        if done is not None:
+            out["e2e_s"] = done - arrived
+            if first_tok is not None:
+                out["decode_s"] = done - first_tok
+        return out
