@@ -1,0 +1,1 @@
+"""The HTTP server around the engine core: OpenAI-compatible API, metrics, lifecycle."""

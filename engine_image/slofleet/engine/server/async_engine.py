@@ -1,0 +1,84 @@
+"""Runs the engine core in its own thread and hands each request's outputs to an asyncio queue."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Callable
+
+from ..engine import LLMEngine, RequestOutput
+from ..request import Request
+from ..sampling_params import SamplingParams
+
+log = logging.getLogger("slofleet.engine.loop")
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput], None]):
+        self.engine = engine
+        self.on_output = on_output
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.wake = threading.Event()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout=30)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.queues)
+
+    def add(self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int | None,
+            bucket: str) -> tuple[Request, asyncio.Queue]:
+        """Queue a request (raises ValueError or AdmissionError synchronously, before any byte is sent)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        try:
+            req = self.engine.add_request(prompt, params, request_id, priority, bucket)
+        except Exception:
+            self.queues.pop(request_id, None)
+            raise
+        self.wake.set()
+        return req, queue
+
+    def abort(self, request_id: str) -> None:
+        if self.queues.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+            self.wake.set()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        queue = self.queues.get(out.request_id)
+        if queue is not None:
+            queue.put_nowait(out)
+            if out.finished:
+                self.queues.pop(out.request_id, None)
+
+    def _run(self) -> None:
+        try:
+            while not self.stopping:
+                if not self.engine.has_unfinished():
+                    self.wake.wait(0.1)
+                    self.wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self.on_output(out)
+                    self.loop.call_soon_threadsafe(self._deliver, out)
+        except BaseException as e:  # a dead engine must surface as failed requests and a failed /health
+            log.exception("engine loop crashed")
+            self.error = e
+            for rid in list(self.queues):
+                self.loop.call_soon_threadsafe(self._fail, rid)
+
+    def _fail(self, request_id: str) -> None:
+        queue = self.queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(None)

@@ -1,0 +1,120 @@
+"""Prometheus metrics: vLLM-compatible names plus slofleet's per-bucket extras.
+
+Histograms and counters are derived from each request's lifecycle events when it finishes (and from
+token timestamps for inter-token latency); gauges are read from the engine at scrape time."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..engine import LLMEngine, RequestOutput
+
+log = logging.getLogger("slofleet.requests")
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                   40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class EngineCollector:
+    """Gauges and cumulative counters that live in the engine's own state, read at scrape time."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        e, name = self.engine, self.engine.model_name
+        sched, pool = e.scheduler, e.kv.pool
+
+        def gauge(metric: str, doc: str, value: float, extra: dict | None = None):
+            g = GaugeMetricFamily(metric, doc, labels=["model_name", *(extra or {})])
+            g.add_metric([name, *(extra or {}).values()], value)
+            return g
+
+        def counter(metric: str, doc: str, value: float):
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric([name], value)
+            return c
+
+        waiting = list(sched.waiting) + list(e.inbox)
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", len(sched.running))
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", len(waiting))
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", pool.usage())
+        yield gauge("slofleet:queued_prompt_tokens", "Prompt tokens not yet computed for waiting requests.",
+                    sum(r.num_tokens - r.num_computed_tokens for r in waiting))
+        yield gauge("slofleet:kv_blocks_total", "KV blocks in the pool.", pool.num_blocks)
+        yield gauge("slofleet:kv_blocks_free", "KV blocks free (cached blocks count as free).", pool.num_free)
+        by_bucket = GaugeMetricFamily("slofleet:num_requests_waiting_by_bucket", "Waiting requests per bucket.",
+                                      labels=["model_name", "bucket"])
+        counts: dict[str, int] = {}
+        for r in waiting:
+            counts[r.bucket] = counts.get(r.bucket, 0) + 1
+        for bucket, n in sorted(counts.items()):
+            by_bucket.add_metric([name, bucket], n)
+        yield by_bucket
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.kv.stats.queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.kv.stats.hits)
+        yield counter("vllm:num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
+                      sched.num_preemptions)
+        yield counter("slofleet:admission_refusals", "Requests refused by the engine's admission limits.",
+                      sched.admission_refusals)
+        pre = CounterMetricFamily("slofleet:preemptions_by_bucket", "Preemptions per bucket.",
+                                  labels=["model_name", "bucket"])
+        for bucket, n in sorted(dict(sched.preemptions_by_bucket).items()):
+            pre.add_metric([name, bucket], n)
+        yield pre
+
+
+class Metrics:
+    def __init__(self, engine: LLMEngine):
+        self.model = engine.model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        lb = ["model_name", "bucket"]
+
+        def hist(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, lb, buckets=buckets, registry=self.registry)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", TOKEN_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
+        self.queue = hist("vllm:request_queue_time_seconds", "Time waiting before first scheduled.")
+        self.prefill = hist("vllm:request_prefill_time_seconds", "Time from first scheduled to first token.")
+        self.decode = hist("vllm:request_decode_time_seconds", "Time from first token to finish.")
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", lb,
+                                     registry=self.registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", lb, registry=self.registry)
+        self.success = Counter("vllm:request_success", "Finished requests by reason.",
+                               ["model_name", "bucket", "finished_reason"], registry=self.registry)
+        self.last_token_at: dict[str, float] = {}
+
+    def observe(self, out: RequestOutput) -> None:
+        """Called in the engine thread for every output delta."""
+        req, labels = out.request, (self.model, out.request.bucket)
+        now = time.monotonic()
+        if out.new_token_ids:
+            self.generation_tokens.labels(*labels).inc(len(out.new_token_ids))
+            prev = self.last_token_at.get(out.request_id)
+            if prev is not None:
+                self.itl.labels(*labels).observe(now - prev)
+            self.last_token_at[out.request_id] = now
+        if not out.finished:
+            return
+        self.last_token_at.pop(out.request_id, None)
+        t = req.timings()
+        for key, hist in (("ttft_s", self.ttft), ("e2e_s", self.e2e), ("queue_s", self.queue),
+                          ("prefill_s", self.prefill), ("decode_s", self.decode)):
+            if key in t:
+                hist.labels(*labels).observe(t[key])
+        self.prompt_tokens.labels(*labels).inc(req.num_prompt_tokens)
+        self.success.labels(*labels, out.finish_reason or "unknown").inc()
+        log.info(json.dumps({
+            "event": "request_finished", "request_id": req.request_id, "bucket": req.bucket,
+            "priority": req.priority, "finish_reason": out.finish_reason, "prompt_tokens": req.num_prompt_tokens,
+            "cached_tokens": req.num_cached_tokens, "output_tokens": len(req.output_token_ids),
+            "preemptions": sum(1 for n, _ in req.events if n == "preempted"),
+            **{k: round(v, 4) for k, v in t.items()}}))

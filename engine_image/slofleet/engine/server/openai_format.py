@@ -1,0 +1,123 @@
+"""Shape engine outputs as OpenAI responses and SSE chunks (completions and chat)."""
+from __future__ import annotations
+
+import json
+import time
+from typing import AsyncIterator, Callable
+
+from ..engine import LLMEngine, RequestOutput
+from ..request import Request
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def usage(req: Request) -> dict:
+    n_out = len(req.output_token_ids)
+    return {"prompt_tokens": req.num_prompt_tokens, "completion_tokens": n_out,
+            "total_tokens": req.num_prompt_tokens + n_out,
+            "prompt_tokens_details": {"cached_tokens": req.num_cached_tokens}}
+
+
+def token_str(engine: LLMEngine, tok: int) -> str:
+    return engine.tokenizer.decode([tok])
+
+
+def completion_logprobs(engine: LLMEngine, outs: list[RequestOutput], offset: int) -> dict | None:
+    tokens, lps, tops, offsets = [], [], [], []
+    for out in outs:
+        for tok, lp in zip(out.new_token_ids, out.new_logprobs):
+            s = token_str(engine, tok)
+            tokens.append(s)
+            lps.append(lp.get(tok))
+            tops.append({token_str(engine, t): v for t, v in lp.items()})
+            offsets.append(offset)
+            offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets} if tokens else None
+
+
+def chat_logprobs(engine: LLMEngine, outs: list[RequestOutput], top_n: int) -> dict | None:
+    content = []
+    for out in outs:
+        for tok, lp in zip(out.new_token_ids, out.new_logprobs):
+            s = token_str(engine, tok)
+            ranked = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]
+            content.append({"token": s, "logprob": lp.get(tok), "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": token_str(engine, t), "logprob": v,
+                                              "bytes": list(token_str(engine, t).encode())} for t, v in ranked]})
+    return {"content": content} if content else None
+
+
+def _error_event(message: str) -> str:
+    return sse({"error": {"message": message, "type": "server_error", "code": 500}})
+
+
+def completion_handlers(engine: LLMEngine, body: CompletionRequest, req: Request, rid: str,
+                        results: AsyncIterator[RequestOutput]) -> tuple[Callable, Callable]:
+    created, cid = int(time.time()), f"cmpl-{rid}"
+    base = {"id": cid, "object": "text_completion", "created": created, "model": engine.model_name}
+    want_lp = body.logprobs is not None
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def chunks():
+        offset = 0
+        try:
+            async for out in results:
+                if not out.new_text and not out.finished:
+                    continue
+                lp = completion_logprobs(engine, [out], offset) if want_lp else None
+                offset += len(out.new_text)
+                yield sse({**base, "choices": [{"index": 0, "text": out.new_text, "logprobs": lp,
+                                                "finish_reason": out.finish_reason}]})
+        except Exception as e:  # headers are already sent: report in-band
+            yield _error_event(str(e))
+            return
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage(req)})
+        yield sse("[DONE]")
+
+    async def full() -> dict:
+        outs = [out async for out in results]
+        return {**base, "choices": [{"index": 0, "text": "".join(o.new_text for o in outs),
+                                     "logprobs": completion_logprobs(engine, outs, 0) if want_lp else None,
+                                     "finish_reason": outs[-1].finish_reason}], "usage": usage(req)}
+
+    return chunks, full
+
+
+def chat_handlers(engine: LLMEngine, body: ChatCompletionRequest, req: Request, rid: str,
+                  results: AsyncIterator[RequestOutput]) -> tuple[Callable, Callable]:
+    created, cid = int(time.time()), f"chatcmpl-{rid}"
+    base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name}
+    top_n = body.top_logprobs or 0
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def chunks():
+        yield sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]})
+        try:
+            async for out in results:
+                if not out.new_text and not out.finished:
+                    continue
+                delta = {"content": out.new_text} if out.new_text else {}
+                lp = chat_logprobs(engine, [out], top_n) if body.logprobs else None
+                yield sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
+                                                "finish_reason": out.finish_reason}]})
+        except Exception as e:
+            yield _error_event(str(e))
+            return
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage(req)})
+        yield sse("[DONE]")
+
+    async def full() -> dict:
+        outs = [out async for out in results]
+        message = {"role": "assistant", "content": "".join(o.new_text for o in outs)}
+        return {**base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "finish_reason": outs[-1].finish_reason,
+                             "logprobs": chat_logprobs(engine, outs, top_n) if body.logprobs else None}],
+                "usage": usage(req)}
+
+    return chunks, full

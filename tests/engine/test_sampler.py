@@ -1,0 +1,111 @@
+"""Sampler and detokenizer behaviour."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slofleet.engine.detokenizer import Detokenizer
+from slofleet.engine.request import Request
+from slofleet.engine.sampler import Sampler, filter_top_k_top_p
+from slofleet.engine.sampling_params import SamplingParams
+
+V = 10
+
+
+def make(params: SamplingParams, out: list[int] = (), prompt: list[int] = (0,), rid: str = "r") -> Request:
+    r = Request(rid, list(prompt), params, max_tokens=100)
+    r.output_token_ids = list(out)
+    return r
+
+
+def logits(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_greedy_picks_argmax():
+    s = Sampler(eos_ids={9})
+    toks, _ = s.sample(logits([0, 1, 5, 2, 0, 0, 0, 0, 0, 0]), [make(SamplingParams(temperature=0))])
+    assert toks == [2]
+
+
+def test_top_k_and_top_p_restrict_support():
+    x = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    assert torch.isfinite(filter_top_k_top_p(x, 2, 1.0, 0.0)).tolist() == [True, True, False, False, False]
+    probs = x.softmax(-1)  # ~[.64, .24, .09, .03, .01]
+    kept = torch.isfinite(filter_top_k_top_p(x, -1, 0.8, 0.0)).tolist()
+    assert kept == [True, True, False, False, False] and probs[0] < 0.8 < probs[:2].sum()
+    assert torch.isfinite(filter_top_k_top_p(x, -1, 1.0, 0.2)).tolist() == [True, True, False, False, False]
+
+
+def test_seed_makes_sampling_reproducible_and_independent_of_batch():
+    row = torch.randn(V)
+    p = SamplingParams(temperature=1.0, seed=123)
+    draws = []
+    for _ in range(2):
+        s = Sampler(eos_ids=set())
+        r = make(p)
+        draws.append([s.sample(row[None].clone(), [r])[0][0] for _ in range(20)])
+    assert draws[0] == draws[1]
+    s = Sampler(eos_ids=set())  # same seed, now batched beside an unseeded request
+    r, other = make(p, rid="a"), make(SamplingParams(temperature=1.0), rid="b")
+    batched = [s.sample(torch.stack([row, row]), [r, other])[0][0] for _ in range(20)]
+    assert batched == draws[0]
+    assert len(set(draws[0])) > 1  # really sampling, not argmax
+
+
+def test_penalties():
+    base = [1.0, 1.0, 1.0, 1.0]
+    s = Sampler(eos_ids=set())
+    # token 0 generated 3 times: frequency penalty pushes it below the others
+    toks, _ = s.sample(logits([1.5, 1.0, 0.0, 0.0]), [make(SamplingParams(temperature=0, frequency_penalty=0.5), out=[0, 0, 0])])
+    assert toks == [1]
+    toks, _ = s.sample(logits([1.2, 1.0, 0.0, 0.0]), [make(SamplingParams(temperature=0, presence_penalty=0.5), out=[0])])
+    assert toks == [1]
+    # repetition penalty also covers prompt tokens
+    toks, _ = s.sample(logits([2.0, 1.5, 0.0, 0.0]), [make(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0])])
+    assert toks == [1]
+    assert base == [1.0] * 4
+
+
+def test_min_tokens_blocks_eos_and_stop_ids():
+    s = Sampler(eos_ids={0})
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    toks, _ = s.sample(logits([5.0, 4.0, 1.0]), [make(p, out=[2])])
+    assert toks == [2]
+    toks, _ = s.sample(logits([5.0, 4.0, 1.0]), [make(p, out=[2, 2])])
+    assert toks == [0]
+
+
+def test_logprobs_are_raw_top_n():
+    s = Sampler(eos_ids=set())
+    toks, lps = s.sample(logits([3.0, 2.0, 1.0, 0.0]), [make(SamplingParams(temperature=0, logprobs=2))])
+    ref = torch.log_softmax(torch.tensor([3.0, 2.0, 1.0, 0.0]), -1)
+    assert set(lps[0]) == {0, 1} and lps[0][0] == pytest.approx(float(ref[0]))
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=1.5), "top_p"), (dict(top_k=-3), "top_k"),
+    (dict(max_tokens=0), "max_tokens"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(logprobs=50), "logprobs"), (dict(repetition_penalty=0), "repetition_penalty"),
+])
+def test_bad_params_are_refused(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kwargs)
+
+
+def test_detokenizer_is_utf8_safe_and_holds_partial_stops(tokenizer):
+    text = "Café ☕ naïve — 日本語 end"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    d = Detokenizer(tokenizer)
+    pieces = [d.add(t)[0] for t in ids]
+    assert "".join(pieces) + d.flush() == text
+    assert not any("\ufffd" in p for p in pieces)
+    d = Detokenizer(tokenizer, stop=["naïve"])
+    out, hit = "", False
+    for t in ids:
+        piece, hit = d.add(t)
+        out += piece
+        assert "na" not in out  # a prefix of the stop string is never released
+        if hit:
+            break
+    assert hit and out == "Café ☕ "
