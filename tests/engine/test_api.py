@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import httpx
@@ -176,3 +177,25 @@ def test_metrics_expose_contract(server, client):
         assert m[f"{hist}_count{{bucket=chat}}"] >= 1, hist
     assert m["vllm:prefix_cache_queries_total{}"] > 0
     assert m["slofleet:kv_blocks_free{}"] == m["slofleet:kv_blocks_total{}"]
+
+
+def test_sigterm_drains_in_flight_then_exits(tmp_path):
+    srv = Server("--grace-period", "60", "--drain-delay", "3", log=tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            srv.proc.terminate()
+            time.sleep(0.5)
+            assert httpx.get(srv.url + "/ready").status_code == 503  # no longer admitting...
+            refused = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False})
+            assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            rest = [first] + [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"  # ...but the in-flight stream ran to its end
+        assert '"finish_reason": "length"' in rest[-2]
+        # It exits by itself (uvicorn re-raises the SIGTERM it deferred, so -15 is a clean exit too).
+        assert srv.proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        srv.stop(signal.SIGKILL)

@@ -40,9 +40,9 @@ def test_eight_mixed_prompts_together(chat_ids, reference):
     assert len({r.num_prompt_tokens for r in reqs}) >= 6  # mixed lengths
 
 
-@pytest.mark.parametrize("budget", [1, 7, 64, 4096])
-def test_chunked_prefill_budgets(chat_ids, reference, budget):
-    engine = make(max_num_batched_tokens=budget, enable_prefix_caching=False)
+@pytest.mark.parametrize("budget, caching", [(1, False), (7, True), (64, False), (64, True), (4096, False)])
+def test_chunked_prefill_budgets(chat_ids, reference, budget, caching):
+    engine = make(max_num_batched_tokens=budget, enable_prefix_caching=caching)
     check(engine, chat_ids[:3], reference, max_new=8)
     assert engine.stats.max_tokens_in_step <= budget
     if budget < max(len(p) for p in chat_ids[:3]):

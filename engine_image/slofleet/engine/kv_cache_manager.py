@@ -68,7 +68,9 @@ class KVCacheManager:
             table.extend(self.pool.allocate(need))
         # Blocks this step fills are registered now: their tokens are known and computed in this step.
         self._update_hashes(req, num_total)
-        for i in range(req.num_computed_tokens // self.block_size, len(req.block_hashes)):
+        # Hashes may run ahead of the table (computed for the whole prompt at lookup); register only
+        # the blocks this allocation covers.
+        for i in range(req.num_computed_tokens // self.block_size, num_total // self.block_size):
             self.pool.register(table[i], req.block_hashes[i])
         return True
 

@@ -16,9 +16,17 @@ compiled kernels agree with the torch oracle as tightly as the interpreter does.
 """
 from __future__ import annotations
 
+import os
+
 import torch
-import triton
-import triton.language as tl
+
+if not torch.cuda.is_available():
+    # Without a GPU the kernels can only run in Triton's interpreter (tests, CPU smoke runs). Triton reads
+    # the switch when it is first imported, so this works where nothing imported triton before us.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from .attention import AttentionMetadata
 
@@ -160,7 +168,8 @@ def _split_kv_decode(part_out, part_lse, q, k_cache, v_cache, block_tables, seq_
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, qv, k_cache, v_cache, table_row, kv_head, n, nmask, valid,
                                      qk_scale, stride_cb, stride_cs, stride_ch, d, dmask,
                                      BLOCK_SIZE, UPCAST, PRECISION)
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))  # an empty split weighs 0 in the merge
+    # An empty split (or a padding row) gets lse = -inf: weight 0 in the merge.
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     part = (seq * num_heads + head) * NUM_SPLITS + split
     tl.store(part_lse + part, lse, mask=rmask)
@@ -178,8 +187,8 @@ def _merge_splits(out, part_out, part_lse, query_start_loc, stride_ot, stride_oh
     lse = tl.load(part_lse + part, mask=s < NUM_SPLITS, other=float("-inf"))
     top = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
-    o = tl.load(part_out + part[:, None] * HEAD_DIM + d[None, :], mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :],
-                other=0.0)
+    o = tl.load(part_out + part[:, None] * HEAD_DIM + d[None, :],
+                mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     total = tl.sum(w, 0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
     row = tl.load(query_start_loc + seq).to(tl.int64)
@@ -197,12 +206,15 @@ class TritonAttention:
         # Enough programs to cover every SM a few times over; 0 where there is no GPU (interpreter).
         self.target_programs = (4 * torch.cuda.get_device_properties(0).multi_processor_count
                                 if torch.cuda.is_available() else 0)
+        # Decode is bandwidth-bound: keys per loop iteration and warps per program set the bytes in flight.
+        # Defaults: the fewest registers without spills when compiled for sm_90 (cuobjdump -res-usage).
+        self.decode_tile, self.decode_warps = 32, 8
 
     def num_splits(self, meta: AttentionMetadata, num_seqs: int, kv_heads: int) -> int:
         if meta.max_query_len > 1 or meta.max_seq_len < self.split_min_len:
             return 1
         want = triton.cdiv(self.target_programs, num_seqs * kv_heads)
-        return max(1, min(self.max_splits, want, meta.max_seq_len // 256))
+        return max(1, min(self.max_splits, want, meta.max_seq_len // 256))  # >= 256 keys per split
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -216,29 +228,29 @@ class TritonAttention:
         out = torch.empty_like(q)
         group = num_heads // kv_heads
         num_seqs = meta.seq_lens.shape[0]
-        common = dict(HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=self.block_size,
+        decode = meta.max_query_len == 1
+        common = dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=self.block_size,
                       UPCAST=q.dtype == torch.bfloat16, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-        cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        tables = (meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0))
         qk_scale = scale * LOG2E
         splits = self.num_splits(meta, num_seqs, kv_heads)
         if splits > 1:
             part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
             part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
             _split_kv_decode[(num_seqs, kv_heads, splits)](
-                part_out, part_lse, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                qk_scale, q.stride(0), q.stride(1), *cache_strides, meta.block_tables.stride(0),
-                GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=64, NUM_SPLITS=splits,
-                **common)
+                part_out, part_lse, q, k_cache, v_cache, *tables, qk_scale, q.stride(0), q.stride(1), *strides,
+                BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=self.decode_tile, NUM_SPLITS=splits,
+                num_warps=self.decode_warps, **common)
             _merge_splits[(num_seqs, num_heads)](out, part_out, part_lse, meta.query_start_loc, out.stride(0),
                                                  out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits,
                                                  S_PAD=triton.next_power_of_2(splits))
             return out
-        # Decode-only batches need few query rows per program; prefill chunks want tall tiles for the dots.
-        block_m = max(16, triton.next_power_of_2(group)) if meta.max_query_len == 1 else max(64, triton.next_power_of_2(group))
+        # Decodes need few query rows per program; prefill chunks want tall tiles for the dots.
+        block_m = max(16 if decode else 64, triton.next_power_of_2(group))
         block_q = block_m // group
-        grid = (num_tokens // block_q + num_seqs, kv_heads)
-        _paged_attention[grid](
-            out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, qk_scale, num_seqs,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, meta.block_tables.stride(0),
-            GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64 if meta.max_query_len == 1 else 32, **common)
+        _paged_attention[(num_tokens // block_q + num_seqs, kv_heads)](
+            out, q, k_cache, v_cache, *tables, qk_scale, num_seqs, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), *strides, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=self.decode_tile if decode else 32,
+            num_warps=self.decode_warps if decode else 4, **common)
         return out
