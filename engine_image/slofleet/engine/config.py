@@ -25,6 +25,7 @@ class EngineConfig:
     max_waiting_requests: int = field(default=256, metadata={"help": "admission limit: waiting requests before 429"})
     max_queued_tokens: int = field(default=262144, metadata={"help": "admission limit: queued prompt tokens before 429"})
     bucket_priorities: str = field(default="", metadata={"help": "default priority per bucket, e.g. 'chat=0,doc=5' (lower runs first)"})
+    cuda_graphs: bool = field(default=True, metadata={"help": "replay captured CUDA graphs for decode batches (GPU only)"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads (0: follow the container's CPU quota)"})
     seed: int = field(default=0, metadata={"help": "global seed for requests without their own"})
 

@@ -96,8 +96,10 @@ class DecodeGraphs:
 def maybe_capture(model: torch.nn.Module, kv_caches: list, attention: object, max_batch: int, max_blocks: int,
                   max_seq_len: int, device: torch.device) -> DecodeGraphs | None:
     """Capture decode graphs where they apply (CUDA and the Triton backend); None elsewhere."""
+    if device.type != "cuda":
+        return None  # before importing triton: on CPU it must stay unimported (TRITON_INTERPRET is read once)
     from .triton_attention import TritonAttention
-    if device.type != "cuda" or not isinstance(attention, TritonAttention):
+    if not isinstance(attention, TritonAttention):
         return None
     graphs = DecodeGraphs(model, kv_caches, max_batch, max_blocks, max_seq_len, device)
     graphs.capture()

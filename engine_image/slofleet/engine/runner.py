@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from . import cuda_graphs
 from .attention import AttentionMetadata, TorchAttention
 from .config import EngineConfig
 from .loader import load_config, read_tensors
@@ -41,7 +42,13 @@ class ModelRunner:
         self.dtype = pick_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.hf_config = load_config(path)
-        self.attention = TorchAttention(config.block_size)
+        if self.device.type == "cuda":
+            from .triton_attention import TritonAttention  # lazy: the CPU path never imports triton
+            self.attention = TritonAttention(config.block_size)
+        else:
+            self.attention = TorchAttention(config.block_size)
+        self.max_len, self.max_num_seqs, self.graphs = max_len, config.max_num_seqs, None
+        self.use_cuda_graphs = config.cuda_graphs
         with torch.device("meta"):
             model = CausalLM(self.hf_config, self.attention, max_len)
         model = model.to_empty(device=self.device)
@@ -64,6 +71,10 @@ class ModelRunner:
             (torch.zeros((num_blocks, *self.kv_shape), dtype=self.dtype, device=self.device),
              torch.zeros((num_blocks, *self.kv_shape), dtype=self.dtype, device=self.device))
             for _ in range(self.num_layers)]
+        # Graphs hold the cache tensors, so they are captured again after any re-allocation.
+        if self.use_cuda_graphs:
+            self.graphs = cuda_graphs.maybe_capture(self.model, self.kv_caches, self.attention, self.max_num_seqs,
+                                                    -(-self.max_len // self.block_size), self.max_len, self.device)
 
     def prepare(self, batch: list[tuple[Request, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten (request, tokens this step, block table) into model inputs and attention metadata."""
@@ -103,5 +114,7 @@ class ModelRunner:
     def execute(self, batch: list[tuple[Request, int, list[int]]]) -> torch.Tensor:
         """Logits at the last new token of every request in the batch ([B, vocab], fp32)."""
         input_ids, positions, meta, rows = self.prepare(batch)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            return self.graphs.run(input_ids, positions, meta)  # valid until the next replay; sampled at once
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model(input_ids, positions, self.kv_caches, meta, idx)
