@@ -60,3 +60,17 @@ def test_admission_limits(engine):
 def test_request_that_can_never_fit_is_refused(engine):
     with pytest.raises(ValueError, match="lower max_tokens"):
         engine.add_request("hello", SamplingParams(max_tokens=64 * 16))
+
+
+def test_chat_goes_ahead_of_a_long_prefill_in_progress():
+    engine = LLMEngine(dtype="float32", max_num_batched_tokens=16, num_blocks=64)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    doc = engine.add_request(list(range(200, 300)), one, "doc", bucket="doc", priority=5)
+    engine.step()  # the document's first 16-token chunk
+    assert doc.num_computed_tokens == 16
+    engine.add_request(list(range(400, 410)), one, "chat", priority=0)
+    finished = [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["chat"]  # prefilled and answered in the very next step...
+    assert doc.num_computed_tokens == 16 + 6  # ...with the rest of the budget going to the document
+    assert drain(engine) == ["doc"]
+    assert engine.stats.max_tokens_in_step <= 16

@@ -19,7 +19,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = field(default=1.0, metadata={"help": "memory budget for the KV block pool, in GiB"})
     num_blocks: int = field(default=0, metadata={"help": "fixed number of KV blocks (overrides --kv-cache-memory-gb when > 0)"})
     max_num_seqs: int = field(default=64, metadata={"help": "most requests running in one step"})
-    max_num_batched_tokens: int = field(default=1024, metadata={"help": "token budget per step, shared by decodes and prefill chunks"})
+    max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget per step, shared by decodes and prefill chunks"})
     max_model_len: int = field(default=8192, metadata={"help": "longest prompt + output, capped by the model's own limit"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prompt prefixes"})
     max_waiting_requests: int = field(default=256, metadata={"help": "admission limit: waiting requests before 429"})

@@ -1,9 +1,9 @@
 """Iteration-level scheduling: one token budget per step shared by decodes and prefill chunks.
 
-B_{t+1} = (B_t minus finished) plus admitted. Running requests are served first, in priority order;
-when the KV pool runs short the lowest-priority running request is preempted (its blocks freed, to be
-recomputed later). Waiting requests are admitted in (priority, deadline, arrival) order while budget,
-sequence slots and blocks last; a prompt larger than the remaining budget is prefilled in chunks.
+B_{t+1} = (B_t minus finished) plus admitted. Decodes are served first (one token each), then prompt work
+(chunks of running prefills and new admissions) in (priority, deadline, arrival) order while budget,
+sequence slots and blocks last; a prompt larger than the remaining budget is prefilled in chunks. When the
+KV pool runs short the lowest-priority running request is preempted (blocks freed, recomputed later).
 """
 from __future__ import annotations
 
@@ -94,24 +94,49 @@ class Scheduler:
         out.preempted.append(victim)
         self.add(victim)
 
+    def _reserve(self, req: Request, num_new: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
+        """Blocks for a running request, preempting the lowest-priority running request not yet scheduled
+        in this step (possibly req itself) while the pool is short."""
+        while not self.kv.allocate(req, num_new):
+            victims = [r for r in self.running if id(r) not in scheduled]
+            if not victims:
+                return False
+            victim = victims[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        out.scheduled.append((req, num_new))
+        scheduled.add(id(req))
+        return True
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput, scheduled: set[int]) -> int:
+        """Start a waiting request (prefix-cache hits first); tokens scheduled, 0 when blocks are short."""
+        hits, num_cached = self.kv.computed_blocks(req)
+        num_new = min(req.num_tokens - num_cached, budget)
+        if not self.kv.allocate(req, num_new, hits):
+            return 0
+        self.waiting.remove(req)
+        if req.first(SCHEDULED) is None:
+            req.num_cached_tokens = num_cached
+        req.num_computed_tokens = num_cached
+        req.status = Status.RUNNING
+        req.record(SCHEDULED)
+        self.running.append(req)
+        out.scheduled.append((req, num_new))
+        scheduled.add(id(req))
+        return num_new
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        scheduled: set[int] = set()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=Request.sort_key)
-        for req in list(self.running):
+        # 1. Decodes first, one token each: a running stream's TPOT never waits behind someone's prompt.
+        for req in [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]:
             if budget == 0:
                 break
-            if req not in self.running:  # preempted earlier in this loop
-                continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req, num_new):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append((req, num_new))
-                budget -= num_new
+            if req in self.running and self._reserve(req, 1, out, scheduled):
+                budget -= 1
 
         now = time.monotonic()
         for req in [r for r in self.waiting if r.deadline is not None and r.deadline < now]:
@@ -119,20 +144,22 @@ class Scheduler:
             self.kv.free(req)
             out.expired.append(req)
 
-        # No admissions in a step that had to preempt: the pool is already short.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            hits, num_cached = self.kv.computed_blocks(req)
-            num_new = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate(req, num_new, hits):
+        # 2. Prompt work — chunks of running prefills and new admissions — in one (priority, deadline,
+        # arrival) order, so a chat arriving during a long document's prefill goes ahead of its next chunk.
+        partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in sorted(partial + self.waiting, key=Request.sort_key):
+            if budget == 0:
                 break
-            self.waiting.pop(0)
-            if req.first(SCHEDULED) is None:
-                req.num_cached_tokens = num_cached
-            req.num_computed_tokens = num_cached
-            req.status = Status.RUNNING
-            req.record(SCHEDULED)
-            self.running.append(req)
-            out.scheduled.append((req, num_new))
-            budget -= num_new
+            if req.status is Status.RUNNING:
+                if req in self.running:
+                    num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                    budget -= num_new if self._reserve(req, num_new, out, scheduled) else 0
+                continue
+            # No admissions in a step that had to preempt: the pool is already short.
+            if out.preempted or len(self.running) >= self.config.max_num_seqs:
+                continue
+            admitted = self._admit(req, budget, out, scheduled)
+            if not admitted:
+                break  # head of line: a lower-priority request must not take the blocks it waits for
+            budget -= admitted
         return out

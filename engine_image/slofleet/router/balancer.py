@@ -1,0 +1,78 @@
+"""Replica choice: prefix affinity by consistent hashing with bounded load, least load otherwise.
+
+Affinity key: the router has no tokenizer, so it hashes the prompt's leading *characters* — the flattened
+prompt's first `affinity_chars` characters (for chat, every message's role and text in order). Two requests
+sharing that many leading characters share their leading tokens, hence the engine's leading KV blocks (the
+engine's own hash chain is over token blocks, block_pool.hash_block). Hashing a fixed-length head rather than the
+whole prompt is what makes requests with a common system prompt or document but different questions land
+together. Prompts shorter than that head carry little KV worth reusing and go to the least-loaded replica.
+
+Bounded load (Mirrokni, Thorup, Zadimoghaddam 2018): each replica may hold at most ceil(c * (total + 1) / n)
+requests; the key's ring position is walked clockwise to the first replica under that bound, so a hot prefix
+spills to its ring neighbours instead of queueing on one replica, and a removed replica only moves its own keys.
+A replica whose KV cache is nearly full is skipped the same way."""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from itertools import count
+
+from .replicas import Replica
+
+
+def _h(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def prefix_key(text: str, affinity_chars: int) -> int | None:
+    if len(text) < affinity_chars:
+        return None
+    return _h(text[:affinity_chars].encode())
+
+
+class Ring:
+    def __init__(self, urls: list[str], vnodes: int = 64):
+        points = sorted((_h(f"{u}#{i}".encode()), u) for u in urls for i in range(vnodes))
+        self.hashes = [h for h, _ in points]
+        self.urls = [u for _, u in points]
+
+    def walk(self, key: int):
+        """Distinct replica URLs in ring order, starting at the key's position."""
+        if not self.urls:
+            return
+        start, seen = bisect.bisect(self.hashes, key), set()
+        for i in range(len(self.urls)):
+            u = self.urls[(start + i) % len(self.urls)]
+            if u not in seen:
+                seen.add(u)
+                yield u
+
+
+class Balancer:
+    def __init__(self, policy: str = "prefix", load_factor: float = 1.25, kv_full: float = 0.95):
+        if policy not in ("prefix", "least-load", "round-robin"):
+            raise ValueError(f"unknown routing policy {policy!r}")
+        self.policy, self.load_factor, self.kv_full = policy, load_factor, kv_full
+        self.ring = Ring([])
+        self.rr = count()
+
+    def set_urls(self, urls: list[str]) -> None:
+        self.ring = Ring(urls)
+
+    def choose(self, ready: list[Replica], key: int | None, exclude: set[str]) -> Replica | None:
+        cands = [r for r in ready if r.url not in exclude]
+        if not cands:
+            return None
+        if self.policy == "round-robin":
+            return cands[next(self.rr) % len(cands)]
+        roomy = [r for r in cands if r.kv_usage < self.kv_full] or cands
+        if self.policy == "least-load" or key is None:
+            return min(roomy, key=lambda r: (r.load(), r.kv_usage))
+        bound = math.ceil(self.load_factor * (sum(r.load() for r in cands) + 1) / len(cands))
+        by_url = {r.url: r for r in roomy}
+        for url in self.ring.walk(key):
+            r = by_url.get(url)
+            if r is not None and r.load() < bound:
+                return r
+        return min(roomy, key=lambda r: r.load())

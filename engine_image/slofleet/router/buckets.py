@@ -1,0 +1,156 @@
+"""Bucket classification, per-bucket admission limits, and shedding by priority.
+
+Rules follow the LLMService resource's `buckets` (crds/slofleet/api): the first bucket whose match conditions
+all hold wins, a bucket without conditions is the catch-all. The router has no tokenizer, so prompt tokens are
+estimated from characters (`chars_per_token`); the estimate only has to put a request in the right bucket."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Match:
+    min_prompt_tokens: int | None = None
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    header: dict[str, str] = field(default_factory=dict)
+    route: str | None = None
+
+    def holds(self, prompt_tokens: int, max_tokens: int | None, headers: dict[str, str], path: str) -> bool:
+        if self.min_prompt_tokens is not None and prompt_tokens < self.min_prompt_tokens:
+            return False
+        if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
+            return False
+        # an absent max_tokens may run long, so it never satisfies an upper bound
+        if self.max_output_tokens is not None and (max_tokens is None or max_tokens > self.max_output_tokens):
+            return False
+        if self.route is not None and not path.startswith(self.route):
+            return False
+        return all(headers.get(k.lower()) == v for k, v in self.header.items())
+
+
+@dataclass
+class Bucket:
+    name: str
+    priority: int = 0  # lower runs first; passed to the engine unchanged
+    match: Match = field(default_factory=Match)
+    max_waiting_requests: int | None = None  # requests of this bucket not yet streaming
+    max_queued_tokens: int | None = None  # their estimated prompt tokens
+    max_requests_per_second: float | None = None
+
+
+DEFAULT_BUCKETS = [Bucket("default")]
+
+
+def _camel(d: dict, key: str):
+    """The resource is camelCase in YAML; accept snake_case too for hand-written files."""
+    parts = key.split("_")
+    return d.get(parts[0] + "".join(p.title() for p in parts[1:]), d.get(key))
+
+
+def parse_buckets(items: list[dict]) -> list[Bucket]:
+    out = []
+    for b in items:
+        m, adm = b.get("match") or {}, b.get("admission") or {}
+        match = Match(_camel(m, "min_prompt_tokens"), _camel(m, "max_prompt_tokens"), _camel(m, "max_output_tokens"),
+                      dict(m.get("header") or {}), m.get("route"))
+        out.append(Bucket(b["name"], int(b.get("priority", 0)), match, _camel(adm, "max_waiting_requests"),
+                          _camel(adm, "max_queued_tokens"), _camel(adm, "max_requests_per_second")))
+    if not any(b.match == Match() for b in out):
+        out.append(Bucket("default", max((b.priority for b in out), default=0)))  # nothing goes unclassified
+    return out
+
+
+def load_buckets(path: str | Path) -> list[Bucket]:
+    """A YAML/JSON file holding a list of buckets, `{buckets: [...]}`, or a whole LLMService/SLOPolicy."""
+    text = Path(path).read_text()
+    try:
+        import yaml
+        data = yaml.safe_load(text)
+    except ImportError:
+        data = json.loads(text)
+    if isinstance(data, dict):
+        data = (data.get("spec") or data).get("buckets", [])
+    return parse_buckets(data)
+
+
+@dataclass
+class Ticket:
+    """An admitted request's claim on its bucket, released when its first byte (or its error) arrives."""
+    bucket: Bucket
+    tokens: int
+    released: bool = False
+
+
+@dataclass
+class BucketState:
+    waiting: int = 0
+    queued_tokens: int = 0
+    allowance: float = 0.0  # token bucket for max_requests_per_second
+    stamp: float = field(default_factory=time.monotonic)
+
+
+class Admission(Exception):
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Classifier:
+    """Classifies and admits. Shedding by priority: the fleet holds `capacity` in-flight requests; the most
+    critical priority may fill all of it, the least critical only `min_share` of it, levels between get a share
+    in proportion to their rank. So under overload the sheddable buckets are refused first and the critical
+    one keeps headroom, instead of all buckets failing together."""
+
+    def __init__(self, buckets: list[Bucket], chars_per_token: float = 4.0, min_share: float = 0.5):
+        self.buckets, self.chars_per_token = buckets, chars_per_token
+        # a rate-limited bucket starts with one second's worth of requests allowed
+        self.state = {b.name: BucketState(allowance=max(b.max_requests_per_second or 0.0, 1.0)) for b in buckets}
+        levels = sorted({b.priority for b in buckets})
+        span = max(len(levels) - 1, 1)
+        self.share = {p: 1.0 - (1.0 - min_share) * i / span for i, p in enumerate(levels)}
+
+    def estimate_tokens(self, text_len: int) -> int:
+        return int(text_len / self.chars_per_token) + 1
+
+    def classify(self, prompt_tokens: int, max_tokens: int | None, headers: dict[str, str], path: str) -> Bucket:
+        for b in self.buckets:
+            if b.match.holds(prompt_tokens, max_tokens, headers, path):
+                return b
+        return self.buckets[-1]
+
+    def admit(self, bucket: Bucket, tokens: int, inflight: int, capacity: int) -> Ticket:
+        st, now = self.state[bucket.name], time.monotonic()
+        if capacity <= 0:
+            raise Admission("no ready replica to serve this request; retry shortly", 2)
+        limit = max(1, int(capacity * self.share[bucket.priority]))
+        if inflight >= limit:
+            raise Admission(f"the fleet is over capacity for bucket {bucket.name!r} (priority {bucket.priority}): "
+                            f"{inflight} requests in flight, this bucket is admitted below {limit}; retry later")
+        if bucket.max_waiting_requests is not None and st.waiting >= bucket.max_waiting_requests:
+            raise Admission(f"bucket {bucket.name!r} has {st.waiting} requests waiting, its limit is "
+                            f"{bucket.max_waiting_requests}; retry later")
+        if bucket.max_queued_tokens is not None and st.waiting and st.queued_tokens + tokens > bucket.max_queued_tokens:
+            raise Admission(f"bucket {bucket.name!r} has {st.queued_tokens} prompt tokens queued, its limit is "
+                            f"{bucket.max_queued_tokens}; retry later")
+        if bucket.max_requests_per_second is not None:
+            rate = bucket.max_requests_per_second
+            st.allowance = min(max(rate, 1.0), st.allowance + (now - st.stamp) * rate)
+            st.stamp = now
+            if st.allowance < 1.0:
+                raise Admission(f"bucket {bucket.name!r} is limited to {rate:g} requests per second",
+                                max(1, int((1.0 - st.allowance) / rate + 0.999)))
+            st.allowance -= 1.0
+        st.waiting += 1
+        st.queued_tokens += tokens
+        return Ticket(bucket, tokens)
+
+    def release(self, ticket: Ticket) -> None:
+        if not ticket.released:
+            ticket.released = True
+            st = self.state[ticket.bucket.name]
+            st.waiting -= 1
+            st.queued_tokens -= ticket.tokens

@@ -1,0 +1,69 @@
+"""`slofleet router`: flags, replica discovery, and uvicorn around the Router app."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on")
+    parser.add_argument("--upstream", action="append", default=[], metavar="URL",
+                        help="an engine replica, e.g. http://127.0.0.1:8000 (repeat for several)")
+    parser.add_argument("--k8s-service", metavar="[NAMESPACE/]NAME",
+                        help="discover replicas from this Service's EndpointSlices instead of --upstream")
+    parser.add_argument("--k8s-port-name", default=None, help="EndpointSlice port name to use (default: the first)")
+    parser.add_argument("--buckets", metavar="FILE",
+                        help="YAML/JSON bucket rules: a list, {buckets: [...]}, or an LLMService/SLOPolicy")
+    parser.add_argument("--api-keys-file", metavar="FILE", help="API keys, one a line (a mounted Secret works)")
+    parser.add_argument("--api-keys-env", default="SLOFLEET_API_KEYS",
+                        help="environment variable with comma-separated API keys")
+    parser.add_argument("--rpm", type=float, default=0.0, help="default requests per minute per key (0: unlimited)")
+    parser.add_argument("--tpm", type=float, default=0.0, help="default tokens per minute per key (0: unlimited)")
+    parser.add_argument("--default-max-tokens", type=int, default=256,
+                        help="output tokens charged to a quota when a request gives no max_tokens")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    parser.add_argument("--max-prompt-tokens", type=int, default=32768, help="longer prompts (estimated) get 413")
+    parser.add_argument("--chars-per-token", type=float, default=4.0, help="prompt-token estimate without a tokenizer")
+    parser.add_argument("--capacity-per-replica", type=int, default=128,
+                        help="in-flight requests per ready replica; beyond a bucket's share of it, it is shed")
+    parser.add_argument("--min-shed-share", type=float, default=0.5,
+                        help="share of the capacity the least critical priority may use (the most critical: all)")
+    parser.add_argument("--policy", default="prefix", choices=("prefix", "least-load", "round-robin"))
+    parser.add_argument("--affinity-chars", type=int, default=256,
+                        help="leading prompt characters hashed for prefix affinity")
+    parser.add_argument("--load-factor", type=float, default=1.25,
+                        help="bounded load: a replica takes at most this times the mean load")
+    parser.add_argument("--max-attempts", type=int, default=3, help="replicas tried before the first byte")
+    parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between replica probes")
+    parser.add_argument("--replica-header", action="store_true", help="answer with x-slofleet-replica")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .balancer import Balancer
+    from .buckets import DEFAULT_BUCKETS, Classifier, load_buckets
+    from .gateway import KeyStore, Quotas
+    from .proxy import Router, RouterConfig
+    from .replicas import ReplicaSet, kubernetes_lister
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if bool(args.upstream) == bool(args.k8s_service):
+        print("slofleet router: give either --upstream (repeatable) or --k8s-service")
+        return 2
+    lister = None
+    if args.k8s_service:
+        namespace, _, name = args.k8s_service.rpartition("/")
+        lister = kubernetes_lister(namespace or "default", name, args.k8s_port_name)
+    replicas = ReplicaSet(static=args.upstream, lister=lister, interval=args.health_interval)
+    buckets = load_buckets(args.buckets) if args.buckets else DEFAULT_BUCKETS
+    cfg = RouterConfig(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                       capacity_per_replica=args.capacity_per_replica, max_attempts=args.max_attempts,
+                       affinity_chars=args.affinity_chars, replica_header=args.replica_header)
+    app = Router(cfg, replicas, Classifier(buckets, args.chars_per_token, args.min_shed_share),
+                 KeyStore(args.api_keys_file, args.api_keys_env, args.rpm, args.tpm), Quotas(args.default_max_tokens),
+                 Balancer(args.policy, args.load_factor))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, interface="asgi3")
+    return 0

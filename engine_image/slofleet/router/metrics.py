@@ -1,0 +1,25 @@
+"""The router's own Prometheus metrics, per bucket: what was admitted, shed and why, time to first byte."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("slofleet:router_requests", "Requests answered, by bucket and HTTP status.",
+                                ["bucket", "code"], registry=r)
+        self.rejected = Counter("slofleet:router_rejected", "Requests refused by the router, by bucket and reason "
+                                "(auth, quota, size, shed, admission, no_replica).", ["bucket", "reason"], registry=r)
+        self.inflight = Gauge("slofleet:router_inflight_requests", "Requests open through the router.", ["bucket"],
+                              registry=r)
+        self.retries = Counter("slofleet:router_retries", "Requests retried on another replica before their first "
+                               "byte.", ["bucket"], registry=r)
+        self.ttfb = Histogram("slofleet:router_time_to_first_byte_seconds", "Arrival to the first byte sent back "
+                              "(first token when streaming).", ["bucket"], buckets=TTFB_BUCKETS, registry=r)
+        self.replica_up = Gauge("slofleet:router_replica_ready", "1 while the replica passes its health checks.",
+                                ["replica"], registry=r)
+        self.routed = Counter("slofleet:router_routed", "Requests sent to a replica, by how it was chosen.",
+                                ["bucket", "how"], registry=r)

@@ -1,0 +1,156 @@
+"""The replica set: discovery (a static list or Kubernetes EndpointSlices), health checks, and load scraped from
+each engine's /metrics.
+
+A replica serves traffic only while its /ready answers 200. One failed probe or one refused connection while
+proxying takes it out at once (so a dead pod stops getting requests within one probe interval); it comes back on
+its next successful probe."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import aiohttp
+
+log = logging.getLogger("slofleet.router.replicas")
+
+SCRAPED = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
+           "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+@dataclass
+class Replica:
+    url: str
+    ready: bool = False
+    inflight: int = 0  # requests this router has open on it
+    waiting: float = 0.0  # from the engine's /metrics
+    running: float = 0.0
+    kv_usage: float = 0.0
+    last_ok: float = 0.0
+    errors: int = 0
+
+    def load(self) -> float:
+        """Requests on the replica: what this router sent, or what the engine reports when other routers
+        (or direct clients) put more there."""
+        return max(float(self.inflight), self.waiting + self.running)
+
+
+def parse_load(text: str) -> dict[str, float]:
+    """The three gauges the router needs, summed over label sets, without a full Prometheus parser: a scrape of
+    every replica every second must stay cheap."""
+    out = {attr: 0.0 for attr in SCRAPED.values()}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        attr = SCRAPED.get(name)
+        if attr is not None:
+            try:
+                out[attr] += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+    return out
+
+
+def endpoints_from_slices(slices: list[Any], port_name: str | None, scheme: str = "http") -> list[str]:
+    """Ready endpoint URLs from discovery.k8s.io/v1 EndpointSlice objects (kubernetes client models or dicts)."""
+
+    def get(obj: Any, name: str) -> Any:
+        return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+    urls = []
+    for s in slices:
+        ports = [p for p in get(s, "ports") or [] if port_name is None or get(p, "name") == port_name]
+        if not ports:
+            continue
+        port = get(ports[0], "port")
+        for ep in get(s, "endpoints") or []:
+            cond = get(ep, "conditions")
+            if cond is not None and get(cond, "ready") is False:  # absent means ready, per the API
+                continue
+            for addr in get(ep, "addresses") or []:
+                host = f"[{addr}]" if ":" in addr else addr
+                urls.append(f"{scheme}://{host}:{port}")
+    return sorted(set(urls))
+
+
+def kubernetes_lister(namespace: str, service: str, port_name: str | None) -> Callable[[], list[str]]:
+    """A blocking function listing the Service's ready endpoints through the API server (in-cluster config,
+    else kubeconfig). Polled rather than watched: endpoints change rarely and a poll cannot silently stall."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    api = client.DiscoveryV1Api()
+
+    def list_urls() -> list[str]:
+        slices = api.list_namespaced_endpoint_slice(namespace, label_selector=f"kubernetes.io/service-name={service}")
+        return endpoints_from_slices(slices.items, port_name)
+
+    return list_urls
+
+
+@dataclass
+class ReplicaSet:
+    static: list[str] = field(default_factory=list)
+    lister: Callable[[], list[str]] | None = None  # blocking; run in a thread
+    interval: float = 1.0
+    timeout: float = 1.0
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    on_change: Callable[[list[str]], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.set_urls(self.static)
+
+    def set_urls(self, urls: list[str]) -> None:
+        urls = [u.rstrip("/") for u in urls]
+        if set(urls) == set(self.replicas):
+            return
+        self.replicas = {u: self.replicas.get(u) or Replica(u) for u in urls}
+        log.info("replicas: %s", ", ".join(urls) or "none")
+        if self.on_change:
+            self.on_change(list(self.replicas))
+
+    def ready(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.ready]
+
+    def mark_failed(self, replica: Replica, why: str) -> None:
+        if replica.ready:
+            log.warning("replica %s taken out: %s", replica.url, why)
+        replica.ready = False
+        replica.errors += 1
+
+    async def probe(self, client: aiohttp.ClientSession, r: Replica) -> None:
+        try:
+            async with client.get(r.url + "/ready") as resp:
+                ready = resp.status == 200
+            if ready:
+                async with client.get(r.url + "/metrics") as resp:
+                    for attr, value in parse_load(await resp.text()).items():
+                        setattr(r, attr, value)
+                r.last_ok = time.monotonic()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            ready, why = False, f"{type(e).__name__}: {e}"
+        else:
+            why = "not ready"
+        if ready and not r.ready:
+            log.info("replica %s is ready", r.url)
+        elif not ready:
+            self.mark_failed(r, why)
+        r.ready = ready
+
+    async def run(self) -> None:
+        """Probe every replica every `interval` seconds, refreshing the list from the lister first."""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as client:
+            while True:
+                if self.lister is not None:
+                    try:
+                        self.set_urls(await asyncio.to_thread(self.lister))
+                    except Exception as e:  # keep the last known list while the API server is unreachable
+                        log.warning("listing endpoints failed: %s", e)
+                await asyncio.gather(*(self.probe(client, r) for r in list(self.replicas.values())))
+                await asyncio.sleep(self.interval)
