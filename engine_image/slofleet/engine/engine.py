@@ -17,7 +17,8 @@ from . import loader
 from .config import EngineConfig, cpu_quota_threads
 from .detokenizer import Detokenizer
 from .kv_cache_manager import KVCacheManager
-from .request import FINISHED, FIRST_TOKEN, Request, Status
+from .kv_transfer import KVPayload
+from .request import FINISHED, FIRST_TOKEN, SCHEDULED, Request, Status
 from .runner import ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -36,6 +37,7 @@ class RequestOutput:
     finish_reason: str | None
     request: Request
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    kv: KVPayload | None = None  # prefill role: the exported prompt KV, on the finishing output
 
 
 @dataclass
@@ -88,9 +90,17 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int | None = None, bucket: str = "default", deadline_s: float | None = None) -> Request:
-        """Validate and queue a request. ValueError: bad input (400); AdmissionError: overloaded (429)."""
+                    priority: int | None = None, bucket: str = "default", deadline_s: float | None = None,
+                    export_kv: bool = False, kv: KVPayload | None = None) -> Request:
+        """Validate and queue a request. ValueError: bad input (400); AdmissionError: overloaded (429).
+        export_kv: stop after the first token and attach the prompt's KV (prefill role).
+        kv: continue from another engine's prefill instead of computing the prompt (decode role)."""
         params = params or SamplingParams()
+        if kv is not None:
+            if kv.block_size != self.config.block_size or kv.k.shape[0] != self.runner.num_layers:
+                raise ValueError(f"KV payload has block size {kv.block_size} and {kv.k.shape[0]} layers; this "
+                                 f"engine uses {self.config.block_size} and {self.runner.num_layers}")
+            prompt = kv.prompt_token_ids
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -109,8 +119,9 @@ class LLMEngine:
         self.scheduler.check_admission(len(ids), len(pending), sum(r.num_prompt_tokens for r in pending))
         if priority is None:
             priority = self.bucket_priorities.get(bucket, 0)
-        req = Request(request_id or f"req-{next(_ids)}", ids, params, max_tokens, priority, bucket,
-                      None if deadline_s is None else time.monotonic() + deadline_s)
+        req = Request(request_id or f"req-{next(_ids)}", ids, params, 1 if export_kv else max_tokens, priority,
+                      bucket, None if deadline_s is None else time.monotonic() + deadline_s, export_kv=export_kv,
+                      imported=kv)
         self.inbox.append(req)
         return req
 
@@ -124,24 +135,52 @@ class LLMEngine:
     def _drain_inboxes(self) -> list[RequestOutput]:
         out = []
         while self.inbox:
-            req = self.inbox.popleft()
+            req = self.inbox[0]
+            if req.imported is not None and not self.kv.allocate(req, req.num_prompt_tokens):
+                break  # the pool is full: import when blocks free up, keeping arrival order
+            self.inbox.popleft()
             self.requests[req.request_id] = req
             self.detok[req.request_id] = Detokenizer(self.tokenizer, req.params.stop, req.params.include_stop_str_in_output)
-            self.scheduler.add(req)
+            if req.imported is not None:
+                out += self._import(req)
+            if not req.finished:
+                self.scheduler.add(req)
         while self.aborts:
             req = self.requests.get(self.aborts.popleft())
             if req is not None and not req.finished:
                 out.append(self._finish(req, "abort", [], "", []))
         return out
 
+    def _import(self, req: Request) -> list[RequestOutput]:
+        """Load a prefill engine's KV into this request's blocks, then emit the token it sampled."""
+        payload: KVPayload = req.imported
+        req.imported = None  # the tensors are copied into the pool; don't keep them alive
+        table = self.kv.block_table(req.request_id)
+        n = payload.num_blocks
+        if n != len(table) or payload.block_hashes != [h.hex() for h in req.block_hashes[:len(payload.block_hashes)]]:
+            log.error("request %s: KV payload does not match its prompt tokens; refused", req.request_id)
+            return [self._finish(req, "error", [], "", [])]
+        self.runner.write_kv(table, payload.k, payload.v)
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.record(SCHEDULED)
+        return self._postprocess([req], [payload.first_token], [payload.first_logprobs])
+
     def _finish(self, req: Request, reason: str, new_ids: list[int], new_text: str, new_lp: list) -> RequestOutput:
+        kv = None
+        if req.export_kv and reason != "abort":
+            k, v = self.runner.read_kv(self.kv.block_table(req.request_id))
+            n_full = req.num_prompt_tokens // self.config.block_size
+            kv = KVPayload(req.prompt_token_ids, req.output_token_ids[0], req.output_logprobs[0] if
+                           req.output_logprobs else None, [h.hex() for h in req.block_hashes[:n_full]],
+                           self.config.block_size, k[:, :self.kv.blocks_needed(req.num_prompt_tokens)],
+                           v[:, :self.kv.blocks_needed(req.num_prompt_tokens)])
         self.scheduler.remove(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         req.record(FINISHED)
         self.requests.pop(req.request_id, None)
         self.detok.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
-        return RequestOutput(req.request_id, new_ids, new_text, True, reason, req, new_lp)
+        return RequestOutput(req.request_id, new_ids, new_text, True, reason, req, new_lp, kv)
 
     def _stop_reason(self, req: Request, token: int, stop_hit: bool) -> str | None:
         p = req.params

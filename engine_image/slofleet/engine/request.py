@@ -38,6 +38,8 @@ class Request:
     finish_reason: str | None = None
     events: list[tuple[str, float]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    export_kv: bool = False  # prefill role: hand the prompt's KV blocks out when the first token is sampled
+    imported: object | None = None  # decode role: a KVPayload to load instead of computing the prompt
 
     def __post_init__(self) -> None:
         self.record(ARRIVED, self.arrival_time)

@@ -76,6 +76,18 @@ class ModelRunner:
             self.graphs = cuda_graphs.maybe_capture(self.model, self.kv_caches, self.attention, self.max_num_seqs,
                                                     -(-self.max_len // self.block_size), self.max_len, self.device)
 
+    def read_kv(self, table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the K and V blocks in `table`, [layers, blocks, block_size, kv_heads, head_dim], on the CPU."""
+        idx = torch.tensor(table, dtype=torch.long, device=self.device)
+        return (torch.stack([k[idx] for k, _ in self.kv_caches]).cpu(),
+                torch.stack([v[idx] for _, v in self.kv_caches]).cpu())
+
+    def write_kv(self, table: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        idx = torch.tensor(table, dtype=torch.long, device=self.device)
+        for layer, (kc, vc) in enumerate(self.kv_caches):
+            kc[idx] = k[layer].to(device=self.device, dtype=kc.dtype)
+            vc[idx] = v[layer].to(device=self.device, dtype=vc.dtype)
+
     def prepare(self, batch: list[tuple[Request, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten (request, tokens this step, block table) into model inputs and attention metadata."""
         bs = self.block_size

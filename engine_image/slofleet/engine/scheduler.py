@@ -111,7 +111,8 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput, scheduled: set[int]) -> int:
         """Start a waiting request (prefix-cache hits first); tokens scheduled, 0 when blocks are short."""
-        hits, num_cached = self.kv.computed_blocks(req)
+        # An imported request already holds blocks for its whole prompt (KV hand-off).
+        hits, num_cached = ([], req.num_computed_tokens) if req.num_computed_tokens else self.kv.computed_blocks(req)
         num_new = min(req.num_tokens - num_cached, budget)
         if not self.kv.allocate(req, num_new, hits):
             return 0

@@ -6,6 +6,7 @@ ones finish (the server's graceful-shutdown timeout bounds the wait)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -13,6 +14,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -20,15 +22,17 @@ from pydantic import BaseModel, ValidationError
 
 from ..config import EngineConfig
 from ..engine import LLMEngine, RequestOutput
+from ..kv_transfer import KVPayload
 from ..sampling_params import SamplingParams
 from ..scheduler import AdmissionError
 from .async_engine import AsyncEngine
 from .metrics import Metrics
 from .openai_format import chat_handlers, completion_handlers
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .protocol import ChatCompletionRequest, CompletionRequest, PrefillRequest, SamplingFields
 
 log = logging.getLogger("slofleet.engine.api")
 BUCKET_HEADER = "x-slofleet-bucket"
+PREFILL_HEADER = "x-slofleet-prefill-url"  # set by the router: pull this prompt's KV from that prefill engine
 
 
 class ApiError(Exception):
@@ -145,7 +149,19 @@ def build_app(config: EngineConfig) -> FastAPI:
                            headers={"Retry-After": "2"})
         return state.engine
 
-    def start(body: SamplingFields, prompt: str | list[int], params_fn, request: Request):
+    async def fetch_kv(url: str, ids: list[int], params: SamplingParams) -> KVPayload:
+        try:
+            async with httpx.AsyncClient(timeout=600) as client:
+                r = await client.post(url.rstrip("/") + "/v1/kv/prefill",
+                                      json={"prompt_token_ids": ids, "sampling": dataclasses.asdict(params)})
+        except httpx.HTTPError as e:
+            raise ApiError(502, f"prefill engine {url} unreachable: {e!r}", "upstream_error")
+        if r.status_code != 200:
+            raise ApiError(r.status_code if r.status_code < 500 else 502, f"prefill engine {url}: {r.text[:300]}",
+                           "upstream_error")
+        return KVPayload.from_bytes(r.content)
+
+    async def start(body: SamplingFields, prompt: str | list[int], params_fn, request: Request):
         engine = require_engine()
         if body.model != engine.model_name:
             raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
@@ -156,8 +172,11 @@ def build_app(config: EngineConfig) -> FastAPI:
         rid = f"{uuid.uuid4().hex[:24]}"
         try:
             params = params_fn()
+            kv = None
+            if request.headers.get(PREFILL_HEADER):
+                kv = await fetch_kv(request.headers[PREFILL_HEADER], engine.tokenize(prompt), params)
             req, queue = state.async_engine.add(prompt, params, rid, body.priority,
-                                                request.headers.get(BUCKET_HEADER, "default"))
+                                                request.headers.get(BUCKET_HEADER, "default"), kv=kv)
         except AdmissionError as e:
             raise ApiError(429, str(e), "rate_limit_exceeded", headers={"Retry-After": str(int(e.retry_after))})
         except ValueError as e:
@@ -193,7 +212,7 @@ def build_app(config: EngineConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await parse(request, CompletionRequest)
-        engine, rid, req, queue = start(body, body.single_prompt(), lambda: body.sampling_params(
+        engine, rid, req, queue = await start(body, body.single_prompt(), lambda: body.sampling_params(
             16 if body.max_tokens is None else body.max_tokens, body.logprobs), request)
         chunks, full = completion_handlers(engine, body, req, rid, results(rid, queue))
         return await respond(request, body.stream, chunks, full)
@@ -209,10 +228,28 @@ def build_app(config: EngineConfig) -> FastAPI:
                                                        return_dict=False)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages")
-        engine, rid, req, queue = start(body, ids, lambda: body.sampling_params(
+        engine, rid, req, queue = await start(body, ids, lambda: body.sampling_params(
             body.resolved_max_tokens(), body.resolved_logprobs()), request)
         chunks, full = chat_handlers(engine, body, req, rid, results(rid, queue))
         return await respond(request, body.stream, chunks, full)
+
+    @app.post("/v1/kv/prefill")
+    async def kv_prefill(request: Request) -> Response:
+        body: PrefillRequest = await parse(request, PrefillRequest)
+        require_engine()
+        rid = f"prefill-{uuid.uuid4().hex[:20]}"
+        try:
+            params = SamplingParams(**body.sampling)
+            _, queue = state.async_engine.add(body.prompt_token_ids, params, rid, None,
+                                              request.headers.get(BUCKET_HEADER, "default"), export_kv=True)
+        except AdmissionError as e:
+            raise ApiError(429, str(e), "rate_limit_exceeded", headers={"Retry-After": str(int(e.retry_after))})
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e))
+        outs = [out async for out in results(rid, queue)]
+        if outs[-1].kv is None:
+            raise ApiError(500, f"prefill ended without KV ({outs[-1].finish_reason})", "server_error")
+        return Response(outs[-1].kv.to_bytes(), media_type="application/octet-stream")
 
     app.state.started_at = time.time()
     return app

@@ -37,13 +37,13 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self.queues)
 
-    def add(self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int | None,
-            bucket: str) -> tuple[Request, asyncio.Queue]:
+    def add(self, prompt: str | list[int] | None, params: SamplingParams, request_id: str, priority: int | None,
+            bucket: str, **handoff) -> tuple[Request, asyncio.Queue]:
         """Queue a request (raises ValueError or AdmissionError synchronously, before any byte is sent)."""
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         try:
-            req = self.engine.add_request(prompt, params, request_id, priority, bucket)
+            req = self.engine.add_request(prompt, params, request_id, priority, bucket, **handoff)
         except Exception:
             self.queues.pop(request_id, None)
             raise

@@ -60,6 +60,8 @@ class EngineCollector:
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.kv.stats.hits)
         yield counter("vllm:num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
                       sched.num_preemptions)
+        yield counter("slofleet:prompt_tokens_computed", "Prompt tokens this engine computed (recompute included; "
+                      "cache hits and transferred KV excluded).", e.stats.prompt_tokens_computed)
         yield counter("slofleet:admission_refusals", "Requests refused by the engine's admission limits.",
                       sched.admission_refusals)
         pre = CounterMetricFamily("slofleet:preemptions_by_bucket", "Preemptions per bucket.",

@@ -123,3 +123,10 @@ class ChatCompletionRequest(SamplingFields):
 
     def resolved_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class PrefillRequest(BaseModel):
+    """Decode engine -> prefill engine: compute this prompt and hand its KV back (KV hand-off over HTTP)."""
+    model_config = ConfigDict(extra="forbid")
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: dict[str, Any] = Field(default_factory=dict)

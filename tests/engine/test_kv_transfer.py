@@ -1,0 +1,72 @@
+"""KV hand-off in the engine core: a decode engine continues from a prefill engine's exported blocks."""
+from __future__ import annotations
+
+import pytest
+
+from slofleet.engine import LLMEngine, SamplingParams
+from slofleet.engine.kv_transfer import KVPayload
+
+P = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    kw = dict(dtype="float32", num_blocks=96, block_size=16)
+    return LLMEngine(role="prefill", **kw), LLMEngine(role="decode", **kw)
+
+
+def finish(engine, req):
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == req.request_id]
+    return outs
+
+
+def prefill(engine, ids) -> KVPayload:
+    req = engine.add_request(ids, P, export_kv=True)
+    out = finish(engine, req)[-1]
+    assert out.finished and out.kv is not None
+    return KVPayload.from_bytes(out.kv.to_bytes())  # through the wire format
+
+
+def test_decode_continues_from_transferred_kv(engines, chat_ids):
+    pre, dec = engines
+    ids = chat_ids[6]  # the longest prompt: several full blocks and a partial one
+    unified = dec.add_request(ids, P)
+    finish(dec, unified)
+    dec.kv.pool.reset_cache()
+    payload = prefill(pre, ids)
+    assert payload.num_blocks == -(-len(ids) // 16) and payload.first_token == unified.output_token_ids[0]
+    before = dec.stats.prompt_tokens_computed
+    req = dec.add_request(None, P, kv=payload)
+    dec.step()  # imports: the blocks are in use before any compute
+    assert dec.kv.pool.num_used >= payload.num_blocks
+    finish(dec, req)
+    assert req.output_token_ids == unified.output_token_ids
+    assert dec.stats.prompt_tokens_computed == before  # 0 prompt tokens computed for it
+    assert dec.kv.pool.num_free == dec.kv.pool.num_blocks
+
+
+def test_corrupted_block_changes_the_output(engines, chat_ids):
+    pre, dec = engines
+    ids = chat_ids[6]
+    good = prefill(pre, ids)
+    bad = prefill(pre, ids)
+    bad.k[:, 1].normal_()  # scramble one block's keys in every layer
+    bad.v[:, 1].normal_()
+    outs = []
+    for payload in (good, bad):
+        dec.kv.pool.reset_cache()
+        req = dec.add_request(None, P, kv=payload)
+        finish(dec, req)
+        outs.append(req.output_token_ids)
+    assert outs[0] != outs[1]
+
+
+def test_payload_for_other_tokens_is_refused(engines, chat_ids):
+    pre, dec = engines
+    payload = prefill(pre, chat_ids[6])
+    payload.block_hashes[0] = "00" * 16
+    req = dec.add_request(None, P, kv=payload)
+    out = finish(dec, req)[-1]
+    assert out.finish_reason == "error" and dec.kv.pool.num_free == dec.kv.pool.num_blocks
