@@ -1,0 +1,13 @@
+{{- define "slofleet.name" -}}{{ .Release.Name }}-operator{{- end -}}
+{{- define "slofleet.sa" -}}{{ default (include "slofleet.name" .) .Values.serviceAccount.name }}{{- end -}}
+{{- define "slofleet.labels" -}}
+app.kubernetes.io/name: slofleet-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: slofleet
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
+{{- end -}}
+{{- define "slofleet.selector" -}}
+app.kubernetes.io/name: slofleet-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}

@@ -1,0 +1,237 @@
+"""slofleet.dev/v1alpha1: the LLMService and SLOPolicy custom resources as pydantic models.
+
+These models are the single source of the CRD schemas (`python -m slofleet.api.crd` writes `crds/*.yaml`)
+and the operator, autoscaler and router parse resources with them. CEL rules live beside the fields they
+check, as `x-kubernetes-validations`, each with a message that says what to change.
+
+Versioning: v1alpha1 is the only served and stored version. A later v1beta1 will be added beside it as a
+new module; while the change is purely additive the CRD can list both versions with `conversion: None`, and
+once a field moves or is renamed a conversion webhook (run by the operator) translates between them, with
+v1alpha1 kept served-but-not-stored for one release so `kubectl get` of old objects keeps working.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GROUP = "slofleet.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+ROLES = ("unified", "prefill", "decode")
+
+
+def to_camel(name: str) -> str:
+    # pydantic's to_camel capitalises after digits (e2e_ms -> e2EMs); Kubernetes style is e2eMs.
+    head, *rest = name.split("_")
+    return head + "".join(w[:1].upper() + w[1:] for w in rest)
+
+
+def _rules(*pairs: tuple[str, str]) -> dict:
+    """CEL rules for a schema node: (expression, message the user sees when it is false)."""
+    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in pairs]}
+
+
+class _Model(BaseModel):
+    # camelCase on the wire (Kubernetes style), snake_case in Python; unknown fields are the API server's
+    # business (it prunes them), so the models accept and ignore them. Defaults are plain values (`{}` for a
+    # nested object, validated into the model) so that they appear in the CRD schema and the API server
+    # applies the same defaults as Python does.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", validate_default=True)
+
+    def wire(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class ModelSource(_Model):
+    """Which weights to serve. `embedded` ships inside the image; `pvc` mounts a claim; `init` runs an
+    init container that downloads into a shared emptyDir."""
+    name: str = Field("default", description="model name passed to `slofleet serve --model`; 'default' is the embedded SmolLM2-135M-Instruct")
+    source: Literal["embedded", "pvc", "init"] = Field("embedded", description="where the weights come from")
+    pvc_name: str | None = Field(None, description="PersistentVolumeClaim holding the weights (source: pvc)")
+    path: str = Field("/models", description="mount path of the weights volume (source: pvc or init)")
+    init_image: str | None = Field(None, description="image of the init container that fetches the weights (source: init)")
+    init_command: list[str] | None = Field(None, description="command of that init container; it writes under `path`")
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("self.source != 'pvc' || has(self.pvcName)", "model.source pvc needs model.pvcName"),
+        ("self.source != 'init' || (has(self.initImage) && has(self.initCommand))",
+         "model.source init needs model.initImage and model.initCommand"),
+    ))
+
+
+class Resources(_Model):
+    requests: dict[str, int | str] = Field({"cpu": "1", "memory": "2Gi"})
+    limits: dict[str, int | str] = Field({"cpu": "2", "memory": "4Gi"})
+
+
+class Engine(_Model):
+    """How each engine pod runs: image, resources and the `slofleet serve` batching/KV settings."""
+    image: str = Field("slofleet/engine:0.1.0", description="the one image all roles run")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API, /health, /ready, /metrics")
+    resources: Resources = Field({})
+    gpus: int = Field(0, ge=0, le=16, description="GPUs per pod (nvidia.com/gpu); >0 adds GPU tolerations")
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
+    kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV block pool budget per pod, GiB")
+    max_num_seqs: int = Field(64, ge=1, description="most requests running in one step")
+    max_num_batched_tokens: int = Field(1024, ge=1, description="token budget per step")
+    max_model_len: int = Field(8192, ge=16)
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = Field(256, ge=1, description="engine admission limit: waiting requests before 429")
+    max_queued_tokens: int = Field(262144, ge=1, description="engine admission limit: queued prompt tokens before 429")
+    startup_seconds: int = Field(300, ge=10, description="how long model loading may take before liveness applies")
+    drain_seconds: int = Field(60, ge=1, description="on SIGTERM, in-flight requests get this long to finish")
+    env: dict[str, str] = Field({}, description="extra environment for the engine container")
+
+
+class Pool(_Model):
+    """Replica bounds of one role. With autoscaling on, the autoscaler's decision is clamped to them;
+    with it off, `replicas` (or `minReplicas`) is the count."""
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=0)
+    replicas: int | None = Field(None, ge=0, description="fixed count when autoscaling is off")
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
+        ("!has(self.replicas) || (self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas)",
+         "replicas must lie within [minReplicas, maxReplicas]"),
+    ))
+
+
+class Topology(_Model):
+    mode: Literal["unified", "disaggregated"] = "unified"
+    unified: Pool | None = Field(None, description="the pool of mode unified")
+    prefill: Pool | None = Field(None, description="the prefill pool of mode disaggregated")
+    decode: Pool | None = Field(None, description="the decode pool of mode disaggregated")
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("self.mode != 'disaggregated' || (has(self.prefill) && has(self.decode))",
+         "topology.mode disaggregated needs both topology.prefill and topology.decode"),
+        ("self.mode != 'unified' || (!has(self.prefill) && !has(self.decode))",
+         "topology.mode unified takes no prefill/decode pools: use topology.unified or set mode: disaggregated"),
+    ))
+
+    def pools(self) -> dict[str, Pool]:
+        """role -> pool; a unified topology without an explicit pool gets the default bounds."""
+        if self.mode == "unified":
+            return {"unified": self.unified or Pool()}
+        return {"prefill": self.prefill or Pool(), "decode": self.decode or Pool()}
+
+
+class Match(_Model):
+    """How a request falls into a bucket; all given conditions must hold. No condition: the catch-all."""
+    min_prompt_tokens: int | None = Field(None, ge=0)
+    max_prompt_tokens: int | None = Field(None, ge=0)
+    max_output_tokens: int | None = Field(None, ge=0, description="the request's max_tokens is at most this")
+    header: dict[str, str] | None = Field(None, description="request headers that must equal these values")
+    route: str | None = Field(None, description="URL path prefix, e.g. /v1/chat/completions")
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("!has(self.minPromptTokens) || !has(self.maxPromptTokens) || self.minPromptTokens <= self.maxPromptTokens",
+         "match.minPromptTokens must be <= match.maxPromptTokens"),
+    ))
+
+
+class SLO(_Model):
+    """Latency targets of a bucket, met when the given percentile of requests is under each target."""
+    percentile: float = Field(99.0, description="e.g. 99 for p99")
+    ttft_ms: int | None = Field(None, gt=0, description="time to first token")
+    tpot_ms: int | None = Field(None, gt=0, description="time per output token")
+    e2e_ms: int | None = Field(None, gt=0, description="whole request")
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("self.percentile > 0.0 && self.percentile < 100.0", "slo.percentile must be > 0 and < 100, e.g. 99 for p99"),
+        ("has(self.ttftMs) || has(self.tpotMs) || has(self.e2eMs)",
+         "slo needs at least one target: ttftMs, tpotMs or e2eMs"),
+    ))
+
+
+class Admission(_Model):
+    """Per-bucket admission limits; beyond them the router answers 429 with Retry-After."""
+    max_waiting_requests: int | None = Field(None, ge=0)
+    max_queued_tokens: int | None = Field(None, ge=0)
+    max_requests_per_second: float | None = Field(None, gt=0)
+
+
+class Bucket(_Model):
+    name: str = Field(..., min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    priority: int = Field(0, ge=0, le=100, description="lower runs first")
+    match: Match = Field({})
+    slo: SLO
+    admission: Admission = Field({})
+
+
+def _unique_buckets() -> dict:
+    return _rules(("self.all(b, self.exists_one(c, c.name == b.name))", "bucket names must be unique"))
+
+
+class Autoscaling(_Model):
+    """Whether and how the autoscaler moves replicas between each pool's bounds."""
+    enabled: bool = False
+    signals: list[Literal["slo", "queue", "kvCache"]] = Field(["slo", "queue"], max_length=3)
+    interval_seconds: int = Field(15, ge=1, le=3600)
+    scale_up_stabilization_seconds: int = Field(0, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600)
+    target_kv_cache_usage: float = Field(0.8, gt=0, le=1)
+
+
+class LLMServiceSpec(_Model):
+    model: ModelSource = Field({})
+    engine: Engine = Field({})
+    topology: Topology = Field({})
+    policy_ref: str | None = Field(None, description="name of an SLOPolicy in the namespace whose buckets apply when `buckets` is empty")
+    buckets: list[Bucket] = Field([], max_length=32, json_schema_extra=_unique_buckets())
+    autoscaling: Autoscaling = Field({})
+
+
+class SLOPolicySpec(_Model):
+    """Buckets shared by several LLMServices (referenced by `spec.policyRef`)."""
+    buckets: list[Bucket] = Field(..., min_length=1, max_length=32, json_schema_extra=_unique_buckets())
+
+
+class Condition(_Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class RoleAutoscaling(_Model):
+    """Written by the autoscaler only (its own field manager); the operator reads and clamps it."""
+    desired_replicas: int | None = Field(None, ge=0)
+    reason: str | None = None
+    time: str | None = None
+
+
+class RoleStatus(_Model):
+    replicas: int = 0
+    ready_replicas: int = 0
+    desired_replicas: int = 0
+
+
+class BucketStatus(_Model):
+    name: str
+    attainment: float | None = Field(None, description="fraction of requests within all targets")
+
+
+class LLMServiceStatus(_Model):
+    observed_generation: int | None = None
+    endpoint: str | None = None
+    conditions: list[Condition] = Field([])
+    roles: dict[str, RoleStatus] = Field({})
+    autoscaling: dict[str, RoleAutoscaling] = Field({})
+    buckets: list[BucketStatus] = Field([])
+
+
+class LLMService(_Model):
+    api_version: str = API_VERSION
+    kind: str = "LLMService"
+    metadata: dict = Field({})
+    spec: LLMServiceSpec = Field({})
+    status: LLMServiceStatus = Field({})
+
+
+class SLOPolicy(_Model):
+    api_version: str = API_VERSION
+    kind: str = "SLOPolicy"
+    metadata: dict = Field({})
+    spec: SLOPolicySpec

@@ -1,0 +1,110 @@
+"""Pure: an LLMService (plus the buckets it resolves to) -> the objects the operator keeps in the cluster.
+
+No API calls here: the handlers fetch, call `desired()`, and server-side-apply what it returns.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from slofleet.api.v1alpha1 import API_VERSION, Bucket, LLMService, Pool, RoleAutoscaling
+
+from slofleet.operator.podspec import labels, pod_template
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Everything besides the resource itself that decides the children."""
+    buckets: list[Bucket]  # spec.buckets, or the referenced SLOPolicy's
+    service_monitor: bool = False  # the ServiceMonitor CRD exists in the cluster
+
+
+def replicas(pool: Pool, autoscaling_on: bool, decision: RoleAutoscaling | None) -> int:
+    """One writer per field: the autoscaler's decision (from status) clamped to the user's bounds;
+    without autoscaling, the fixed count."""
+    if autoscaling_on and decision is not None and decision.desired_replicas is not None:
+        return max(pool.min_replicas, min(pool.max_replicas, decision.desired_replicas))
+    return pool.replicas if pool.replicas is not None else pool.min_replicas
+
+
+def entry_role(svc: LLMService) -> str:
+    # Requests enter a disaggregated fleet at prefill (the router takes this role over when it is deployed).
+    return "unified" if svc.spec.topology.mode == "unified" else "prefill"
+
+
+def endpoint(svc: LLMService) -> str:
+    m = svc.metadata
+    return f"http://{m['name']}-{entry_role(svc)}.{m.get('namespace', 'default')}.svc:{svc.spec.engine.port}"
+
+
+def owner_reference(svc: LLMService) -> dict:
+    m = svc.metadata
+    return {"apiVersion": API_VERSION, "kind": "LLMService", "name": m["name"], "uid": m["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(svc: LLMService, name: str, role: str | None = None) -> dict:
+    return {"name": name, "namespace": svc.metadata.get("namespace", "default"),
+            "labels": labels(svc.metadata["name"], role), "ownerReferences": [owner_reference(svc)]}
+
+
+def config_map(svc: LLMService, inputs: Inputs) -> dict:
+    """The bucket policy the engines (and the router) read from /etc/slofleet/policy.json."""
+    policy = {"model": svc.spec.model.wire(), "buckets": [b.wire() for b in inputs.buckets],
+              "topology": svc.spec.topology.mode}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(svc, f"{svc.metadata['name']}-engine"),
+            "data": {"policy.json": json.dumps(policy, sort_keys=True, indent=2)}}
+
+
+def config_hash(cm: dict) -> str:
+    # In the pod template, so that a policy change rolls the pods that read it.
+    return hashlib.sha256(json.dumps(cm["data"], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def deployment(svc: LLMService, role: str, count: int, inputs: Inputs, cm: dict) -> dict:
+    name = svc.metadata["name"]
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(svc, f"{name}-{role}", role),
+        "spec": {
+            "replicas": count,
+            "selector": {"matchLabels": {"slofleet.dev/service": name, "slofleet.dev/role": role}},
+            # Surge, never drop below the count: a new engine must load its model before an old one drains.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": pod_template(svc, role, inputs.buckets, cm["metadata"]["name"], config_hash(cm)),
+        },
+    }
+
+
+def service(svc: LLMService, role: str) -> dict:
+    name = svc.metadata["name"]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc, f"{name}-{role}", role),
+            "spec": {"selector": {"slofleet.dev/service": name, "slofleet.dev/role": role},
+                     "ports": [{"name": "http", "port": svc.spec.engine.port, "targetPort": "http"}]}}
+
+
+def pdb(svc: LLMService) -> dict:
+    name = svc.metadata["name"]
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(svc, name),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"slofleet.dev/service": name}}}}
+
+
+def service_monitor(svc: LLMService) -> dict:
+    name = svc.metadata["name"]
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": _meta(svc, name),
+            "spec": {"selector": {"matchLabels": {"slofleet.dev/service": name}},
+                     "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}]}}
+
+
+def desired(svc: LLMService, inputs: Inputs) -> list[dict]:
+    """All children, in apply order (the ConfigMap before the pods that mount it)."""
+    cm = config_map(svc, inputs)
+    out = [cm]
+    auto = svc.spec.autoscaling.enabled
+    for role, pool in svc.spec.topology.pools().items():
+        count = replicas(pool, auto, svc.status.autoscaling.get(role))
+        out += [deployment(svc, role, count, inputs, cm), service(svc, role)]
+    out.append(pdb(svc))
+    if inputs.service_monitor:
+        out.append(service_monitor(svc))
+    return out

@@ -1,0 +1,122 @@
+"""kopf wiring: which events trigger a reconcile. The work itself is in `reconcile.py`.
+
+Triggers: the resource's create/update/resume and its autoscaler decision (status.autoscaling); any event
+on a child (a deleted or edited Deployment is restored at once, and Deployment status changes refresh the
+LLMService status); and a resync timer as a backstop for anything a watch missed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import kopf
+
+from slofleet.api.v1alpha1 import GROUP, VERSION
+
+from slofleet.operator import kube as kube_mod, metrics
+from slofleet.operator.reconcile import reconcile
+
+PLURAL = "llmservices"
+MANAGED = {"app.kubernetes.io/managed-by": "slofleet-operator"}
+_kube: kube_mod.Kube | None = None
+# Triggers for one service arrive in bursts (every pod readiness change is a Deployment event). One reconcile
+# runs per service at a time; triggers meanwhile mark it dirty and it runs once more, on a fresh read.
+_guard = threading.Lock()
+_running: set[tuple[str, str]] = set()
+_dirty: set[tuple[str, str]] = set()
+_decisions: dict[str, dict] = {}  # uid -> the last status.autoscaling seen
+
+
+def kube() -> kube_mod.Kube:
+    global _kube
+    if _kube is None:
+        _kube = kube_mod.Kube(kube_mod.connect())
+    return _kube
+
+
+def run_reconcile(body: dict, trigger: str) -> None:
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    with _guard:
+        if key in _running:
+            _dirty.add(key)
+            return
+        _running.add(key)
+    try:
+        while True:
+            reconcile_once(body, trigger)
+            with _guard:
+                if key not in _dirty:
+                    return
+                _dirty.discard(key)
+            fresh = kube().get(f"{GROUP}/{VERSION}", "LLMService", *key)
+            if fresh is None or fresh["metadata"].get("deletionTimestamp"):
+                return
+            body, trigger = fresh, "coalesced"
+    finally:
+        with _guard:
+            _running.discard(key)
+            _dirty.discard(key)
+
+
+def reconcile_once(body: dict, trigger: str) -> None:
+    start = time.monotonic()
+    try:
+        out = reconcile(kube(), body)
+    except Exception as e:
+        metrics.RECONCILES.labels(trigger, "error").inc()
+        kopf.warn(body, reason="ReconcileFailed", message=str(e)[:500])
+        raise
+    finally:
+        metrics.DURATION.observe(time.monotonic() - start)
+    metrics.RECONCILES.labels(trigger, "ok").inc()
+    for action, items in (("created", out.created), ("updated", out.updated), ("deleted", out.deleted)):
+        for item in items:
+            metrics.CHANGES.labels(item.split("/")[0], action).inc()
+        if items:
+            kopf.info(body, reason=action.capitalize(), message=f"{action} {', '.join(items)} ({trigger})")
+    for w in out.warnings:
+        kopf.warn(body, reason="PolicyNotFound", message=w)
+
+
+def register(resync_seconds: float) -> None:
+    """Registers the handlers on kopf's default registry (called once, before kopf.run)."""
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL)
+    @kopf.on.create(GROUP, VERSION, PLURAL)
+    @kopf.on.update(GROUP, VERSION, PLURAL)
+    def on_spec(body: kopf.Body, reason: kopf.Reason, **_) -> None:
+        run_reconcile(dict(body), reason.value)
+
+    @kopf.on.event(GROUP, VERSION, PLURAL)
+    def on_decision(body: kopf.Body, type: str | None, **_) -> None:
+        # kopf's update handlers ignore status, where the autoscaler writes its decision: watch it here.
+        decision = dict(body.get("status", {}).get("autoscaling") or {})
+        uid = body["metadata"]["uid"]
+        if type == "DELETED":
+            _decisions.pop(uid, None)
+            return
+        if type in ("ADDED", "MODIFIED", None) and _decisions.get(uid, decision) != decision:
+            _decisions[uid] = decision
+            run_reconcile(dict(body), "autoscaler")
+        _decisions.setdefault(uid, decision)
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=resync_seconds, initial_delay=resync_seconds)
+    def on_resync(body: kopf.Body, **_) -> None:
+        run_reconcile(dict(body), "resync")
+
+    for group_version, plural in (("v1", "configmaps"), ("apps/v1", "deployments"), ("v1", "services"),
+                                  ("policy/v1", "poddisruptionbudgets")):
+        kopf.on.event(group_version, plural, labels=MANAGED)(on_child_event)
+
+
+def on_child_event(body: kopf.Body, type: str | None, **_) -> None:
+    if type is None:  # the initial listing: the resume handler covers it
+        return
+    meta = body["metadata"]
+    owner = next((r for r in meta.get("ownerReferences") or [] if r.get("kind") == "LLMService"), None)
+    if owner is None:
+        return
+    svc = kube().get(f"{GROUP}/{VERSION}", "LLMService", meta["namespace"], owner["name"])
+    if svc is None or svc["metadata"]["uid"] != owner["uid"] or svc["metadata"].get("deletionTimestamp"):
+        return  # the owner is gone: garbage collection removes the child
+    run_reconcile(svc, f"{body.get('kind', 'child')} {type}".lower())

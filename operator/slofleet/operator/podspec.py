@@ -1,0 +1,107 @@
+"""Pure: the engine pod template of one role (the `slofleet serve` command line, probes, resources, volumes)."""
+from __future__ import annotations
+
+from slofleet.api.v1alpha1 import Bucket, LLMService
+
+CONFIG_DIR = "/etc/slofleet"
+MODEL_VOLUME = "model"
+GPU = "nvidia.com/gpu"
+DRAIN_SLACK_SECONDS = 10
+
+
+def labels(name: str, role: str | None = None) -> dict[str, str]:
+    out = {"app.kubernetes.io/name": "slofleet-engine", "app.kubernetes.io/instance": name,
+           "app.kubernetes.io/managed-by": "slofleet-operator", "slofleet.dev/service": name}
+    if role:
+        out["slofleet.dev/role"] = role
+    return out
+
+
+def bucket_priorities(buckets: list[Bucket]) -> str:
+    return ",".join(f"{b.name}={b.priority}" for b in buckets)
+
+
+def model_arg(svc: LLMService) -> str:
+    m = svc.spec.model
+    # The embedded model is addressed by name; the others are files under the weights volume.
+    return m.name if m.source == "embedded" else f"{m.path.rstrip('/')}/{m.name}"
+
+
+def serve_args(svc: LLMService, role: str, buckets: list[Bucket]) -> list[str]:
+    e = svc.spec.engine
+    # $(POD_IP) is expanded by the kubelet from the env below: each pod binds its own address.
+    args = ["--host", "$(POD_IP)", "--port", str(e.port), "--model", model_arg(svc), "--role", role,
+            "--dtype", e.dtype, "--block-size", str(e.block_size), "--kv-cache-memory-gb", f"{e.kv_cache_memory_gb:g}",
+            "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+            "--max-model-len", str(e.max_model_len),
+            "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--max-waiting-requests", str(e.max_waiting_requests), "--max-queued-tokens", str(e.max_queued_tokens),
+            "--grace-period", str(e.drain_seconds)]
+    if buckets:
+        args += ["--bucket-priorities", bucket_priorities(buckets)]
+    return args
+
+
+def resources(svc: LLMService) -> dict:
+    r = svc.spec.engine.resources
+    requests = {k: str(v) for k, v in r.requests.items()}
+    limits = {k: str(v) for k, v in r.limits.items()}
+    if svc.spec.engine.gpus:
+        requests[GPU] = limits[GPU] = str(svc.spec.engine.gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _probe(path: str, port: int, period: int, failures: int) -> dict:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": 2}
+
+
+def _volumes(svc: LLMService, config_map: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumes, engine mounts, init containers) for the bucket policy and the model weights."""
+    m = svc.spec.model
+    volumes = [{"name": "config", "configMap": {"name": config_map}}]
+    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    inits: list[dict] = []
+    if m.source == "pvc":
+        volumes.append({"name": MODEL_VOLUME, "persistentVolumeClaim": {"claimName": m.pvc_name, "readOnly": True}})
+        mounts.append({"name": MODEL_VOLUME, "mountPath": m.path, "readOnly": True})
+    elif m.source == "init":
+        volumes.append({"name": MODEL_VOLUME, "emptyDir": {}})
+        mounts.append({"name": MODEL_VOLUME, "mountPath": m.path, "readOnly": True})
+        inits.append({"name": "fetch-model", "image": m.init_image, "command": list(m.init_command or []),
+                      "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": m.path}]})
+    return volumes, mounts, inits
+
+
+def pod_template(svc: LLMService, role: str, buckets: list[Bucket], config_map: str, config_hash: str) -> dict:
+    name, e = svc.metadata["name"], svc.spec.engine
+    volumes, mounts, inits = _volumes(svc, config_map)
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "SLOFLEET_CONFIG_DIR", "value": CONFIG_DIR}]
+    env += [{"name": k, "value": v} for k, v in sorted(e.env.items())]
+    container = {
+        "name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy,
+        "command": ["slofleet", "serve"], "args": serve_args(svc, role, buckets), "env": env,
+        "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}],
+        "resources": resources(svc),
+        # Startup covers model loading; after it, liveness only asks "is the process alive" and
+        # readiness "is it admitting" (false while draining on SIGTERM).
+        "startupProbe": _probe("/health", e.port, 5, max(1, e.startup_seconds // 5)),
+        "livenessProbe": _probe("/health", e.port, 10, 3),
+        "readinessProbe": _probe("/ready", e.port, 2, 2),
+        "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    spec: dict = {
+        "containers": [container], "volumes": volumes,
+        # The engine drains for drain_seconds after SIGTERM; the kubelet waits a little longer before SIGKILL.
+        "terminationGracePeriodSeconds": e.drain_seconds + DRAIN_SLACK_SECONDS,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
+    }
+    if inits:
+        spec["initContainers"] = inits
+    if e.gpus:
+        spec["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
+    return {"metadata": {"labels": labels(name, role), "annotations": {"slofleet.dev/config-hash": config_hash}},
+            "spec": spec}

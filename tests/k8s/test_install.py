@@ -1,0 +1,70 @@
+"""The install, both ways: `kubectl apply -k manifests/` and the Helm chart (lint, template, install, uninstall)."""
+from __future__ import annotations
+
+import time
+
+import yaml
+
+from tests.k8s.conftest import REPO, apply_crds, log, wait_until
+
+CHART = str(REPO / "charts" / "slofleet")
+NS = "slofleet-system"
+
+
+def test_helm_lint_and_template_are_clean(cluster):
+    lint = cluster.helm("lint", "--strict", CHART)
+    assert "0 chart(s) failed" in lint.stdout and "[WARNING]" not in lint.stdout, lint.stdout
+    out = cluster.helm("template", "slofleet", CHART, "--namespace", NS, "--include-crds").stdout
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "CustomResourceDefinition",
+                     "Deployment", "Service", "ServiceAccount"]
+    too_many = cluster.helm("template", "x", CHART, "--set", "operator.replicas=2", check=False)
+    assert too_many.returncode and "operator.replicas > 1 needs operator.peering: true" in too_many.stderr
+
+
+def test_rendered_chart_applies_to_the_api_server(crds):
+    out = crds.helm("template", "slofleet", CHART, "--namespace", "chart-dry-run").stdout
+    crds.kubectl("create", "namespace", "chart-dry-run", check=False)
+    r = crds.kubectl("apply", "--dry-run=server", "-n", "chart-dry-run", "-f", "-", input=out)
+    assert "created (server dry run)" in r.stdout
+
+
+def _operator_is_least_privilege(cluster, role: str) -> None:
+    rules = cluster.get("clusterrole", role)["rules"]
+    assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in rules)
+    assert not any("secrets" in r["resources"] for r in rules)
+
+
+def test_kubectl_apply_k_manifests(crds):
+    t0 = time.monotonic()
+    crds.kubectl("apply", "-k", str(REPO / "manifests"))
+    dep = crds.get("deployment", "slofleet-operator", NS)
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "--standalone" in pod["containers"][0]["args"]
+    assert crds.get("clusterrolebinding", "slofleet-operator")["subjects"][0]["namespace"] == NS
+    _operator_is_least_privilege(crds, "slofleet-operator")
+    # The namespace enforces the restricted pod security standard, so a pod got created at all only if the
+    # operator's pod spec meets it.
+    if crds.local:
+        wait_until("the operator pod", lambda: crds.items("pods", NS, "app.kubernetes.io/name=slofleet-operator"))
+    crds.kubectl("delete", "-k", str(REPO / "manifests"), "--wait=true", "--timeout=120s")
+    apply_crds(crds)  # deleting the install removed the CRDs the other tests use
+    log(f"phase kubectl apply -k manifests + delete: {time.monotonic() - t0:.1f}s")
+
+
+def test_helm_install_and_uninstall(crds):
+    t0 = time.monotonic()
+    crds.helm("install", "slofleet", CHART, "--namespace", "slofleet-helm", "--create-namespace", "--wait=false")
+    assert crds.helm("status", "slofleet", "--namespace", "slofleet-helm").stdout.count("STATUS: deployed") == 1
+    dep = crds.get("deployment", "slofleet-operator", "slofleet-helm")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "slofleet/engine:0.1.0"
+    _operator_is_least_privilege(crds, "slofleet-operator")
+    crds.helm("uninstall", "slofleet", "--namespace", "slofleet-helm", "--wait", "--timeout", "120s")
+    assert crds.get("deployment", "slofleet-operator", "slofleet-helm") is None
+    assert crds.get("clusterrole", "slofleet-operator") is None
+    assert not crds.items("all", "slofleet-helm", "app.kubernetes.io/instance=slofleet")
+    # CRDs outlive the release (Helm never deletes them): LLMServices survive an uninstall.
+    assert crds.get("crd", "llmservices.slofleet.dev") is not None
+    log(f"phase helm install + uninstall: {time.monotonic() - t0:.1f}s")
