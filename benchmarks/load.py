@@ -87,8 +87,9 @@ def main() -> int:
                              "--bucket-priorities", "chat=0,long-output=1,doc=2"],
                 f"http://127.0.0.1:{args.port}", "/ready", "SmolLM2-135M-Instruct", True)]
     if args.transformers_serve:
-        systems.append(("transformers serve", ["transformers", "serve", "--continuous-batching", "--port",
-                                               str(args.port + 1)], f"http://127.0.0.1:{args.port + 1}",
+        cli = str(Path(sys.executable).with_name("transformers"))
+        systems.append(("transformers serve", [cli, "serve", "--continuous-batching", "--port", str(args.port + 1),
+                                               str(path)], f"http://127.0.0.1:{args.port + 1}",
                         "/health", str(path), False))
     print(f"SLOs: " + ", ".join(f"{b.name} TTFT<={b.ttft_slo}s TPOT<={b.tpot_slo * 1000:.0f}ms ({b.share:.0%})"
                                 for b in BUCKETS))

@@ -54,6 +54,23 @@ def _error_event(message: str) -> str:
     return sse({"error": {"message": message, "type": "server_error", "code": 500}})
 
 
+async def sse_stream(results: AsyncIterator[RequestOutput], base: dict, choice: Callable[[RequestOutput], dict],
+                     req: Request, include_usage: bool, first: dict | None = None):
+    """SSE chunks for the deltas that carry text or a finish, then usage (when asked) and [DONE]."""
+    if first is not None:
+        yield sse({**base, "choices": [first]})
+    try:
+        async for out in results:
+            if out.new_text or out.finished:
+                yield sse({**base, "choices": [choice(out)]})
+    except Exception as e:  # headers are already sent: report in-band
+        yield _error_event(str(e))
+        return
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": usage(req)})
+    yield sse("[DONE]")
+
+
 def completion_handlers(engine: LLMEngine, body: CompletionRequest, req: Request, rid: str,
                         results: AsyncIterator[RequestOutput]) -> tuple[Callable, Callable]:
     created, cid = int(time.time()), f"cmpl-{rid}"
@@ -61,22 +78,16 @@ def completion_handlers(engine: LLMEngine, body: CompletionRequest, req: Request
     want_lp = body.logprobs is not None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    async def chunks():
-        offset = 0
-        try:
-            async for out in results:
-                if not out.new_text and not out.finished:
-                    continue
-                lp = completion_logprobs(engine, [out], offset) if want_lp else None
-                offset += len(out.new_text)
-                yield sse({**base, "choices": [{"index": 0, "text": out.new_text, "logprobs": lp,
-                                                "finish_reason": out.finish_reason}]})
-        except Exception as e:  # headers are already sent: report in-band
-            yield _error_event(str(e))
-            return
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(req)})
-        yield sse("[DONE]")
+    offset = 0
+
+    def choice(out: RequestOutput) -> dict:
+        nonlocal offset
+        lp = completion_logprobs(engine, [out], offset) if want_lp else None
+        offset += len(out.new_text)
+        return {"index": 0, "text": out.new_text, "logprobs": lp, "finish_reason": out.finish_reason}
+
+    def chunks():
+        return sse_stream(results, base, choice, req, include_usage)
 
     async def full() -> dict:
         outs = [out async for out in results]
@@ -94,23 +105,13 @@ def chat_handlers(engine: LLMEngine, body: ChatCompletionRequest, req: Request, 
     top_n = body.top_logprobs or 0
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    async def chunks():
-        yield sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]})
-        try:
-            async for out in results:
-                if not out.new_text and not out.finished:
-                    continue
-                delta = {"content": out.new_text} if out.new_text else {}
-                lp = chat_logprobs(engine, [out], top_n) if body.logprobs else None
-                yield sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
-                                                "finish_reason": out.finish_reason}]})
-        except Exception as e:
-            yield _error_event(str(e))
-            return
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(req)})
-        yield sse("[DONE]")
+    def choice(out: RequestOutput) -> dict:
+        return {"index": 0, "delta": {"content": out.new_text} if out.new_text else {}, "finish_reason":
+                out.finish_reason, "logprobs": chat_logprobs(engine, [out], top_n) if body.logprobs else None}
+
+    def chunks():
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return sse_stream(results, base, choice, req, include_usage, first)
 
     async def full() -> dict:
         outs = [out async for out in results]

@@ -1,0 +1,159 @@
+"""Engine `/metrics` (Prometheus text) -> per-role signals -> windowed rates and SLO attainment.
+
+Counters and histograms are cumulative, so everything the policy reads about a window (arrival rate, mean
+lengths, attainment) is the difference of two scrapes; gauges are read from the newer one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+GAUGES = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "slofleet:queued_prompt_tokens": "queued_prompt_tokens",
+}
+COUNTERS = {
+    "vllm:num_preemptions_total": "preemptions",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:request_success_total": "finished",
+}
+HISTOGRAMS = {"vllm:time_to_first_token_seconds": "ttft", "vllm:inter_token_latency_seconds": "itl"}
+
+
+@dataclass(frozen=True)
+class Histogram:
+    bounds: tuple[float, ...]  # upper bounds ("le"), ascending, the last is +Inf
+    counts: tuple[float, ...]  # cumulative counts per bound
+
+    @property
+    def total(self) -> float:
+        return self.counts[-1] if self.counts else 0.0
+
+    def minus(self, old: Histogram | None) -> Histogram:
+        if old is None or old.bounds != self.bounds or old.total > self.total:  # new pod or counter reset
+            return self
+        return Histogram(self.bounds, tuple(a - b for a, b in zip(self.counts, old.counts)))
+
+    def plus(self, other: Histogram) -> Histogram:
+        if not self.counts:
+            return other
+        if other.bounds != self.bounds:
+            raise ValueError("histograms with different buckets cannot be summed")
+        return Histogram(self.bounds, tuple(a + b for a, b in zip(self.counts, other.counts)))
+
+    def fraction_le(self, x: float) -> float | None:
+        """Share of observations <= x, linear inside the bucket holding x (as histogram_quantile assumes)."""
+        if self.total <= 0:
+            return None
+        lo, below = 0.0, 0.0
+        for le, c in zip(self.bounds, self.counts):
+            if x < le:
+                if math.isinf(le):
+                    return below / self.total
+                return (below + (c - below) * (x - lo) / (le - lo)) / self.total
+            lo, below = le, c
+        return 1.0
+
+
+@dataclass
+class RoleSignals:
+    """One role's metrics at one scrape, summed over its pods (kv_usage is their mean)."""
+    role: str
+    t: float  # scrape time, seconds
+    pods: int = 0
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    queued_prompt_tokens: float = 0.0
+    preemptions: float = 0.0
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
+    finished: float = 0.0
+    ttft: dict[str, Histogram] = field(default_factory=dict)  # per bucket
+    itl: dict[str, Histogram] = field(default_factory=dict)
+
+
+def parse(text: str, role: str, t: float) -> RoleSignals:
+    """One pod's /metrics text. Unknown metrics are ignored; labels other than `bucket` are summed over."""
+    sig = RoleSignals(role, t, pods=1)
+    buckets: dict[tuple[str, str], dict[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in GAUGES or s.name in COUNTERS:
+                attr = GAUGES.get(s.name) or COUNTERS[s.name]
+                setattr(sig, attr, getattr(sig, attr) + s.value)
+            elif s.name.endswith("_bucket") and s.name[:-7] in HISTOGRAMS:
+                key = (HISTOGRAMS[s.name[:-7]], s.labels.get("bucket", "default"))
+                le = float(s.labels["le"])
+                buckets.setdefault(key, {})[le] = buckets.get(key, {}).get(le, 0.0) + s.value
+    for (kind, bucket), by_le in buckets.items():
+        bounds = tuple(sorted(by_le))
+        getattr(sig, kind)[bucket] = Histogram(bounds, tuple(by_le[b] for b in bounds))
+    return sig
+
+
+def merge(role: str, t: float, pods: list[RoleSignals]) -> RoleSignals:
+    """Sum a role's pods into one RoleSignals; an empty list gives pods=0."""
+    out = RoleSignals(role, t, pods=len(pods))
+    for p in pods:
+        for attr in list(GAUGES.values()) + list(COUNTERS.values()):
+            setattr(out, attr, getattr(out, attr) + getattr(p, attr))
+        for kind in ("ttft", "itl"):
+            hists = getattr(out, kind)
+            for bucket, h in getattr(p, kind).items():
+                hists[bucket] = hists[bucket].plus(h) if bucket in hists else h
+    if pods:
+        out.kv_usage /= len(pods)
+    return out
+
+
+@dataclass
+class Window:
+    """What the policy reads about the last window: the newest gauges, plus rates and attainment."""
+    now: RoleSignals
+    seconds: float
+    arrival_rate: float  # requests/s: first tokens emitted plus growth of the queue
+    mean_prompt: float | None
+    mean_output: float | None
+    prompt_rate: float  # prompt tokens computed per second
+    output_rate: float  # tokens generated per second
+    preemption_rate: float
+    ttft_attainment: float | None  # worst bucket; None: no request finished a prefill in the window
+    itl_attainment: float | None
+
+
+def window(old: RoleSignals, new: RoleSignals, slo: dict[str, tuple[float, float]]) -> Window:
+    """Rates and attainment between two scrapes; `slo` maps bucket -> (TTFT s, TPOT s). Buckets without an
+    SLO use the 'default' one when there is one."""
+    dt = max(new.t - old.t, 1e-9)
+    delta = lambda attr: max(getattr(new, attr) - getattr(old, attr), 0.0)  # noqa: E731 (counter reset -> 0)
+    firsts = sum(h.minus(old.ttft.get(b)).total for b, h in new.ttft.items())
+    finished = delta("finished")
+
+    def attain(kind: str, which: int) -> float | None:
+        shares = []
+        for b, h in getattr(new, kind).items():
+            target = slo.get(b, slo.get("default"))
+            share = h.minus(getattr(old, kind).get(b)).fraction_le(target[which]) if target else None
+            if share is not None:
+                shares.append(share)
+        return min(shares) if shares else None
+
+    return Window(
+        now=new, seconds=dt,
+        arrival_rate=max(firsts + new.waiting - old.waiting, 0.0) / dt,
+        mean_prompt=delta("prompt_tokens") / firsts if firsts else None,
+        mean_output=delta("generation_tokens") / finished if finished else None,
+        prompt_rate=delta("prompt_tokens") / dt, output_rate=delta("generation_tokens") / dt,
+        preemption_rate=delta("preemptions") / dt,
+        ttft_attainment=attain("ttft", 0), itl_attainment=attain("itl", 1))
+
+
+def stale(sig: RoleSignals | None, now: float, max_age: float) -> bool:
+    """No scrape, no pod answered, or the newest scrape is older than max_age: do not scale on it."""
+    return sig is None or sig.pods == 0 or now - sig.t > max_age

@@ -1,0 +1,89 @@
+import argparse
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import numpy as np
+
+from slofleet.autoscaler import cli, simulate_cli, traces
+
+
+def test_the_autoscaler_never_imports_torch():
+    code = ("import sys, slofleet.autoscaler.cli, slofleet.autoscaler.simulate_cli, slofleet.autoscaler.sim; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class Engine(BaseHTTPRequestHandler):
+    """A fake engine /metrics on loopback: its queue and first tokens grow with every scrape."""
+    scrapes = 0
+
+    def do_GET(self):
+        Engine.scrapes += 1
+        n = Engine.scrapes
+        body = (f'vllm:num_requests_waiting{{model_name="m"}} {40 * n}\n'
+                f'vllm:num_requests_running{{model_name="m"}} 8\n'
+                f'vllm:kv_cache_usage_perc{{model_name="m"}} 0.5\n'
+                f'vllm:prompt_tokens_total{{model_name="m"}} {1000 * 10 * n}\n'
+                f'vllm:time_to_first_token_seconds_bucket{{bucket="chat",le="0.5",model_name="m"}} {n}\n'
+                f'vllm:time_to_first_token_seconds_bucket{{bucket="chat",le="+Inf",model_name="m"}} {10 * n}\n')
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_autoscaler_loop_holds_without_a_window_then_scales_on_a_growing_queue(capsys):
+    server = HTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        url = f"http://127.0.0.1:{server.server_port}"
+        args = p.parse_args(["--target", f"prefill={url}", "--interval", "0.2", "--window", "5",
+                             "--iterations", "2", "--max-replicas", "8"])
+        assert cli.run(args) == 0
+    finally:
+        server.shutdown()
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["role"] for x in lines] == ["prefill", "prefill"]
+    assert lines[0]["condition"] == "MetricsStale" and lines[0]["desired"] == 1  # one scrape is no window
+    # ~200 req/s of 1000-token prompts arriving: far past the 8-replica bound, so capped and reported
+    assert lines[1]["desired"] == 8 and lines[1]["condition"] == "ScalingLimited"
+    assert "scale up" in lines[1]["reason"] and "req/s" in lines[1]["reason"]
+
+
+def test_real_traces_load_with_their_published_shape():
+    conv, code, long = (traces.load(n) for n in ("conversation", "code", "long"))
+    assert abs(len(conv.arrival) - 19_366) <= 1 and abs(conv.prompt.mean() - 1155) < 5
+    assert abs(code.output.mean() - 28) < 1 and abs(long.prompt.mean() - 12_035) < 5
+    assert 3300 < conv.duration < 3700 and np.all(np.diff(long.arrival) >= 0)
+
+
+def test_synthesized_day_follows_the_diurnal_peak_and_the_requested_busiest_minute():
+    day = traces.synth_day(traces.load("conversation"), peak_rate=4.0, seed=1)
+    hours = np.bincount((day.arrival // 3600).astype(int), minlength=24)
+    assert 1.6 < hours.max() / hours.mean() < 2.2  # published conversation peak/mean: 1.9
+    minutes = np.bincount((day.arrival // 60).astype(int)) / 60
+    assert 3.2 < minutes.max() < 5.0
+
+
+def test_simulate_prints_a_table_per_trace_and_draws_a_png(tmp_path, capsys):
+    p = argparse.ArgumentParser()
+    simulate_cli.add_arguments(p)
+    png = tmp_path / "sim.png"
+    args = p.parse_args(["--traces", "conversation", "--policies", "static-peak,slofleet,keda-queue",
+                         "--replay-replicas", "2", "--png", str(png), "--jobs", "1"])
+    assert simulate_cli.run(args) == 0
+    out = capsys.readouterr().out
+    assert "SLO TTFT 500 ms, TPOT 50 ms" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in
+            ("slofleet", "keda-queue") or line.startswith("static-")]
+    assert len(rows) == 3
+    static = next(r for r in rows if r[0].startswith("static-"))
+    assert float(static[1].rstrip("%")) >= 95.0  # static peak is the smallest count reaching the target
+    assert png.stat().st_size > 10_000
