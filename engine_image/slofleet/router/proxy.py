@@ -238,7 +238,8 @@ class Router:
             if attempt:
                 self.metrics.retries.labels(name).inc()
             tried.add(replica.url)
-            self.metrics.routed.labels(name, self.balancer.policy if key is not None else "least-load").inc()
+            how = "least-load" if key is None and self.balancer.policy == "prefix" else self.balancer.policy
+            self.metrics.routed.labels(name, how).inc()
             replica.inflight += 1
             resp = None
             try:
@@ -249,6 +250,10 @@ class Router:
                         self.replicas.mark_failed(replica, "answered 503")
                     raise LookupError
                 first = await resp.content.readany()
+                if path == GENERATE[1] and b'"role"' in first and first.count(b"\n\n") == 1:
+                    # a chat stream opens with a role-only event before any token: hold it back until the first
+                    # token, so a replica that fails during prefill is still retried elsewhere
+                    first += await resp.content.readany()
                 return replica, resp, first
             except RETRYABLE as e:
                 self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")

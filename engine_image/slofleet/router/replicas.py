@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,8 +28,6 @@ class Replica:
     waiting: float = 0.0  # from the engine's /metrics
     running: float = 0.0
     kv_usage: float = 0.0
-    last_ok: float = 0.0
-    errors: int = 0
 
     def load(self) -> float:
         """Requests on the replica: what this router sent, or what the engine reports when other routers
@@ -76,11 +74,17 @@ def endpoints_from_slices(slices: list[Any], port_name: str | None, scheme: str 
     return sorted(set(urls))
 
 
+SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
 def kubernetes_lister(namespace: str, service: str, port_name: str | None) -> Callable[[], list[str]]:
     """A blocking function listing the Service's ready endpoints through the API server (in-cluster config,
-    else kubeconfig). Polled rather than watched: endpoints change rarely and a poll cannot silently stall."""
+    else kubeconfig). Polled rather than watched: endpoints change rarely and a poll cannot silently stall.
+    No namespace given: the router pod's own. Needs RBAC to list discovery.k8s.io endpointslices there."""
     from kubernetes import client, config
 
+    if not namespace:
+        namespace = open(SA_NAMESPACE).read().strip() if os.path.exists(SA_NAMESPACE) else "default"
     try:
         config.load_incluster_config()
     except config.ConfigException:
@@ -122,7 +126,6 @@ class ReplicaSet:
         if replica.ready:
             log.warning("replica %s taken out: %s", replica.url, why)
         replica.ready = False
-        replica.errors += 1
 
     async def probe(self, client: aiohttp.ClientSession, r: Replica) -> None:
         try:
@@ -132,7 +135,6 @@ class ReplicaSet:
                 async with client.get(r.url + "/metrics") as resp:
                     for attr, value in parse_load(await resp.text()).items():
                         setattr(r, attr, value)
-                r.last_ok = time.monotonic()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             ready, why = False, f"{type(e).__name__}: {e}"
         else:

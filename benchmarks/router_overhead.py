@@ -1,0 +1,140 @@
+"""The router's own added latency: time to first byte through the router minus direct, at N concurrent streams.
+
+The upstream is a STAND-IN, not the engine: a tiny ASGI app (run in its own process) that answers every
+generation request with an SSE stream whose first event is sent at once, then `--events` more events
+`--gap` seconds apart, so that N streams really are open together. With no model behind it, what remains
+of the TTFB is HTTP and the router itself.
+
+    .venv/bin/python benchmarks/router_overhead.py --concurrency 100
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def standin(port: int, events: int, gap: float) -> None:
+    import uvicorn
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        if scope["path"] in ("/ready", "/health", "/metrics"):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            return await send({"type": "http.response.body", "body": b"ok" if scope["path"] != "/metrics" else b""})
+        more = True
+        while more:
+            more = (await receive()).get("more_body", False)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        chunk = b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+        for _ in range(events):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await asyncio.sleep(gap)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", interface="asgi3", access_log=False)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_up(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url + "/ready") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise TimeoutError(url)
+
+
+async def ttfbs(url: str, concurrency: int, seconds: float, stream_s: float) -> list[float]:
+    """`concurrency` streams kept open for `seconds`: each worker starts a new stream when its last one ends
+    (starts staggered over one stream's length, so arrivals are steady, not one burst). Each stream's time to
+    its first body byte."""
+    body = json.dumps({"model": "m", "prompt": "hello " * 50, "max_tokens": 8, "stream": True}).encode()
+    out: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def worker(offset: float, deadline: float) -> None:
+            await asyncio.sleep(offset)
+            while time.perf_counter() < deadline:
+                t0 = time.perf_counter()
+                async with s.post(url + "/v1/completions", data=body,
+                                  headers={"content-type": "application/json"}) as r:
+                    await r.content.readany()
+                    out.append(time.perf_counter() - t0)
+                    async for _ in r.content.iter_any():
+                        pass
+        end = time.perf_counter() + seconds
+        await asyncio.gather(*(worker(stream_s * i / concurrency, end) for i in range(concurrency)))
+    return out[concurrency:]  # the first streams also pay for opening connections
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100)[int(q) - 1] * 1000 if len(xs) > 1 else xs[0] * 1000
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, default=100)
+    p.add_argument("--seconds", type=float, default=8.0, help="measuring time per path and round")
+    p.add_argument("--rounds", type=int, default=2, help="rounds, alternating direct and router")
+    p.add_argument("--events", type=int, default=10)
+    p.add_argument("--gap", type=float, default=0.05)
+    p.add_argument("--standin", type=int, help=argparse.SUPPRESS)  # internal: run the stand-in on this port
+    args = p.parse_args()
+    if args.standin:
+        standin(args.standin, args.events, args.gap)
+        return 0
+    up_port, router_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, "--standin", str(up_port), "--events", str(args.events),
+                               "--gap", str(args.gap)], env=env),
+             subprocess.Popen([sys.executable, "-m", "slofleet.cli", "router", "--port", str(router_port),
+                               "--upstream", f"http://127.0.0.1:{up_port}", "--log-level", "warning",
+                               "--capacity-per-replica", str(4 * args.concurrency)], cwd=ROOT, env=env)]
+    try:
+        direct_url, router_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{router_port}"
+        asyncio.run(wait_up(direct_url))
+        asyncio.run(wait_up(router_url))
+        direct: list[float] = []
+        routed: list[float] = []
+        for _ in range(args.rounds):
+            direct += asyncio.run(ttfbs(direct_url, args.concurrency, args.seconds, args.events * args.gap))
+            routed += asyncio.run(ttfbs(router_url, args.concurrency, args.seconds, args.events * args.gap))
+        print(f"stand-in upstream (no model), {args.concurrency} concurrent streams, {len(direct)} / {len(routed)} "
+              f"streams measured direct / through the router, "
+              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+        print(f"{'path':<8} {'TTFB P50 ms':>12} {'P90 ms':>8} {'P99 ms':>8}")
+        for name, xs in (("direct", direct), ("router", routed)):
+            print(f"{name:<8} {pct(xs, 50):>12.2f} {pct(xs, 90):>8.2f} {pct(xs, 99):>8.2f}")
+        print(f"router overhead, P50 through router minus P50 direct: {pct(routed, 50) - pct(direct, 50):.2f} ms "
+              f"(target < 2 ms)")
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

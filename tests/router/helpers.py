@@ -1,0 +1,114 @@
+"""A `slofleet router` subprocess and an in-process stand-in upstream for the router tests."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from tests.engine.server import ROOT, free_port
+
+
+class RouterProc:
+    def __init__(self, *flags: str, log: Path, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "slofleet.cli", "router", "--port", str(self.port), "--health-interval", "0.2",
+               "--replica-header", "--log-level", "warning", *flags]
+        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+    def wait_ready(self, timeout: float = 60) -> "RouterProc":
+        """Ready = it answers and sees at least one ready replica."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"router not ready in {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def metrics(self) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+        out = {}
+        for fam in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=5).text):
+            for s in fam.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}"] = s.value
+        return out
+
+
+class StandIn:
+    """A stand-in engine (not the real one): answers /ready and /metrics, and streams one SSE event echoing what
+    it received (priority, bucket header) after `delay` seconds, then [DONE]. Records aborted streams."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay, self.status, self.crash = delay, 200, False
+        self.received: list[dict] = []
+        self.aborted = 0
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error",
+                                                    interface="asgi3", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+
+    async def app(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path in ("/ready", "/health", "/metrics"):
+            body = b"vllm:num_requests_waiting 0.0\n" if path == "/metrics" else b"ok"
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            return await send({"type": "http.response.body", "body": body})
+        raw, more = b"", True
+        while more:
+            msg = await receive()
+            raw, more = raw + msg.get("body", b""), msg.get("more_body", False)
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        seen = {"priority": json.loads(raw).get("priority"), "bucket": headers.get("x-slofleet-bucket"),
+                "authorization": headers.get("authorization"), "port": self.port}
+        self.received.append(seen)
+        await send({"type": "http.response.start", "status": self.status,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        if self.crash:  # a replica dying mid-prefill: headers sent, then the connection drops
+            raise RuntimeError("stand-in crashed on purpose")
+        if self.delay:  # like the engine: a client that leaves while we wait aborts the request
+            gone = asyncio.ensure_future(receive())
+            done, _ = await asyncio.wait({gone}, timeout=self.delay)
+            if done and gone.result()["type"] == "http.disconnect":
+                self.aborted += 1
+                return
+            gone.cancel()
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(seen)}\n\n".encode(),
+                    "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
