@@ -135,7 +135,9 @@ def test_overload_gets_429_with_retry_after(server):
             return await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(12)])
     responses = asyncio.run(burst())
     codes = [r.status_code for r in responses]
-    assert codes.count(200) >= 5 and codes.count(429) >= 1, codes
+    # At least the waiting limit (3) is admitted; how many more depends on how fast the engine moves
+    # requests into its 2 running slots while the burst arrives. Nothing else is answered.
+    assert codes.count(200) >= 3 and codes.count(429) >= 1 and codes.count(200) + codes.count(429) == 12, codes
     refused = next(r for r in responses if r.status_code == 429)
     assert int(refused.headers["retry-after"]) >= 1
     assert "overloaded" in refused.json()["error"]["message"]
