@@ -21,6 +21,9 @@ from pathlib import Path
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).parent))
+from router_prefix import free_port, wait_ready  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -44,27 +47,6 @@ def standin(port: int, events: int, gap: float) -> None:
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", interface="asgi3", access_log=False)
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def wait_up(url: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            try:
-                async with s.get(url + "/ready") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise TimeoutError(url)
 
 
 async def ttfbs(url: str, concurrency: int, seconds: float, stream_s: float) -> list[float]:
@@ -114,8 +96,8 @@ def main() -> int:
                                "--capacity-per-replica", str(4 * args.concurrency)], cwd=ROOT, env=env)]
     try:
         direct_url, router_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{router_port}"
-        asyncio.run(wait_up(direct_url))
-        asyncio.run(wait_up(router_url))
+        asyncio.run(wait_ready(direct_url, 30))
+        asyncio.run(wait_ready(router_url, 30))
         direct: list[float] = []
         routed: list[float] = []
         for _ in range(args.rounds):
