@@ -199,7 +199,9 @@ class RoleAutoscaling(_Model):
     """Written by the autoscaler only (its own field manager); the operator reads and clamps it."""
     desired_replicas: int | None = Field(None, ge=0)
     reason: str | None = None
-    time: str | None = None
+    time: str | None = Field(None, description="when this decision was made (RFC 3339)")
+    condition: Literal["Ok", "MetricsStale", "Stabilizing", "Draining", "ScalingLimited"] | None = Field(
+        None, description="MetricsStale: no fresh metrics, the last decision is held; the others explain a hold or a bound")
 
 
 class RoleStatus(_Model):
