@@ -39,6 +39,7 @@ class PolicyConfig:
     cold_start_s: float = 90.0
     trend_s: float = 300.0  # arrival-rate history used for the forecast
     down_window_s: float = 300.0  # scale down only to the highest recommendation seen in this window
+    up_window_s: float = 0.0  # scale up only to the lowest recommendation seen in this window (0: at once)
     down_step: float = 0.1  # at most this share of replicas (at least one) removed per decision
     stale_after_s: float = 60.0
     waiting_per_replica: float = 5.0  # saturation: queue per replica
@@ -90,9 +91,9 @@ class Policy:
         rec, why = (reactive, why_re) if reactive > proactive else (proactive, why_pro)
         rec = min(max(rec, cfg.min_replicas), cfg.max_replicas)
         self.recs.append((now, rec))
-        while self.recs[0][0] < now - cfg.down_window_s:
+        while self.recs[0][0] < now - max(cfg.down_window_s, cfg.up_window_s):
             self.recs.popleft()
-        self.last = self.settle(rec, why, win, fleet)
+        self.last = self.settle(now, rec, why, win, fleet)
         return self.last
 
     # -- the two recommendations ------------------------------------------------------------
@@ -158,14 +159,20 @@ class Policy:
         if (hot and load < self.scale) or (not hot and load > self.scale):
             self.scale = min(max(0.8 * self.scale + 0.2 * load, 0.25), 4.0)
 
-    def settle(self, rec: int, why: str, win: Window, fleet: Fleet) -> Decision:
+    def settle(self, now: float, rec: int, why: str, win: Window, fleet: Fleet) -> Decision:
         cfg, cur = self.cfg, fleet.total
+        if rec > cur and cfg.up_window_s > 0:
+            floor = min(r for t, r in self.recs if t >= now - cfg.up_window_s)
+            if floor <= cur:
+                return Decision(cur, f"hold {cur}: {why}, but {floor} was recommended within "
+                                     f"{cfg.up_window_s:.0f}s", "Stabilizing")
+            rec = floor
         limited = rec in (cfg.min_replicas, cfg.max_replicas) and rec != cur
         cond = "ScalingLimited" if limited else "Ok"
         if rec >= cur:
             verb = "scale up" if rec > cur else "hold"
             return Decision(rec, f"{verb} to {rec}: {why}", cond)
-        ceiling = max(r for _, r in self.recs)
+        ceiling = max(r for t, r in self.recs if t >= now - cfg.down_window_s)
         if ceiling >= cur:
             return Decision(cur, f"hold {cur}: {why}, but {ceiling} was recommended within "
                                  f"{cfg.down_window_s:.0f}s", "Stabilizing")

@@ -6,9 +6,11 @@ lengths, attainment) is the difference of two scrapes; gauges are read from the 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 GAUGES = {
     "vllm:num_requests_waiting": "waiting",
@@ -80,17 +82,21 @@ class RoleSignals:
 
 def parse(text: str, role: str, t: float) -> RoleSignals:
     """One pod's /metrics text. Unknown metrics are ignored; labels other than `bucket` are summed over."""
+    return from_samples([s for family in text_string_to_metric_families(text) for s in family.samples], role, t)
+
+
+def from_samples(samples: Iterable[Sample], role: str, t: float) -> RoleSignals:
+    """One pod's parsed samples (as `parse`, for sources that group samples by pod themselves)."""
     sig = RoleSignals(role, t, pods=1)
     buckets: dict[tuple[str, str], dict[float, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in GAUGES or s.name in COUNTERS:
-                attr = GAUGES.get(s.name) or COUNTERS[s.name]
-                setattr(sig, attr, getattr(sig, attr) + s.value)
-            elif s.name.endswith("_bucket") and s.name[:-7] in HISTOGRAMS:
-                key = (HISTOGRAMS[s.name[:-7]], s.labels.get("bucket", "default"))
-                le = float(s.labels["le"])
-                buckets.setdefault(key, {})[le] = buckets.get(key, {}).get(le, 0.0) + s.value
+    for s in samples:
+        if s.name in GAUGES or s.name in COUNTERS:
+            attr = GAUGES.get(s.name) or COUNTERS[s.name]
+            setattr(sig, attr, getattr(sig, attr) + s.value)
+        elif s.name.endswith("_bucket") and s.name[:-7] in HISTOGRAMS:
+            key = (HISTOGRAMS[s.name[:-7]], s.labels.get("bucket", "default"))
+            le = float(s.labels["le"])
+            buckets.setdefault(key, {})[le] = buckets.get(key, {}).get(le, 0.0) + s.value
     for (kind, bucket), by_le in buckets.items():
         bounds = tuple(sorted(by_le))
         getattr(sig, kind)[bucket] = Histogram(bounds, tuple(by_le[b] for b in bounds))
@@ -157,3 +163,20 @@ def window(old: RoleSignals, new: RoleSignals, slo: dict[str, tuple[float, float
 def stale(sig: RoleSignals | None, now: float, max_age: float) -> bool:
     """No scrape, no pod answered, or the newest scrape is older than max_age: do not scale on it."""
     return sig is None or sig.pods == 0 or now - sig.t > max_age
+
+
+@dataclass
+class History:
+    """One role's merged scrapes, enough of them to open a window of `span` seconds."""
+    span: float
+    seen: list[RoleSignals] = field(default_factory=list)
+
+    def add(self, sig: RoleSignals) -> None:
+        if self.seen and sig.t <= self.seen[-1].t:  # Prometheus answering with the scrape we already have
+            return
+        self.seen = [s for s in self.seen if s.t >= sig.t - 2 * self.span] + [sig]
+
+    def window(self, now: float, slo: dict[str, tuple[float, float]]) -> Window | None:
+        """From the oldest scrape within the span to the newest; None until there are two."""
+        old = next((s for s in self.seen if s.t >= now - self.span), None)
+        return window(old, self.seen[-1], slo) if old is not None and old is not self.seen[-1] else None

@@ -1,0 +1,72 @@
+"""Where a role's metrics come from: each pod's own /metrics, or a Prometheus server's /federate endpoint
+(which answers in the same text format, one series per pod, filtered by the labels a ServiceMonitor gives).
+
+Every source answers one RoleSignals per pod that answered; an unreachable pod or server is missing data,
+never zero load, so it is left out (and a role nobody answered for comes out stale).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.parse
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from .signals import RoleSignals, from_samples, parse
+
+HELD = "slofleet:router_held_requests"  # the router's gauge of requests held while a role has no replica
+# What the policy reads; federating only these keeps the answer small.
+FEDERATE_MATCH = '{{__name__=~"vllm:.*|slofleet:.*",namespace="{namespace}",service="{service}"}}'
+
+
+def fetch(url: str, timeout: float) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.read().decode()
+    except (OSError, ValueError) as e:
+        print(json.dumps({"scrape_error": url, "error": str(e)}), file=sys.stderr, flush=True)
+        return None
+
+
+def scrape(url: str, role: str, timeout: float) -> RoleSignals | None:
+    """One engine's /metrics at its base URL."""
+    text = fetch(url.rstrip("/") + "/metrics", timeout)
+    if text is None:
+        return None
+    try:
+        return parse(text, role, time.time())
+    except ValueError as e:  # a half-written answer: missing data as well
+        print(json.dumps({"scrape_error": url, "error": str(e)}), file=sys.stderr, flush=True)
+        return None
+
+
+def held_requests(url: str, timeout: float) -> float | None:
+    """A router pod's held requests (summed over its labels); None when it did not answer."""
+    text = fetch(url.rstrip("/") + "/metrics", timeout)
+    if text is None:
+        return None
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == HELD)
+
+
+def federate(prometheus: str, namespace: str, service: str, role: str, timeout: float) -> list[RoleSignals]:
+    """One role's pods as Prometheus last scraped them: the series of the Kubernetes Service `service`
+    (the operator's `<name>-<role>`), grouped by their `pod` label. Each pod's time is its newest sample's,
+    so windows span what Prometheus saw, not when we asked."""
+    query = urllib.parse.urlencode({"match[]": FEDERATE_MATCH.format(namespace=namespace, service=service)})
+    text = fetch(f"{prometheus.rstrip('/')}/federate?{query}", timeout)
+    if text is None:
+        return []
+    by_pod: dict[str, list[Sample]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                by_pod.setdefault(s.labels.get("pod") or s.labels.get("instance", ""), []).append(s)
+    except ValueError as e:
+        print(json.dumps({"scrape_error": prometheus, "error": str(e)}), file=sys.stderr, flush=True)
+        return []
+    now = time.time()
+    return [from_samples(samples, role, max((s.timestamp for s in samples if s.timestamp), default=now))
+            for samples in by_pod.values()]
