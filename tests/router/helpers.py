@@ -27,14 +27,14 @@ class RouterProc:
         self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
-    def wait_ready(self, timeout: float = 60) -> "RouterProc":
-        """Ready = it answers and sees at least one ready replica."""
+    def wait_ready(self, timeout: float = 60, path: str = "/ready") -> "RouterProc":
+        """Ready = it answers and sees at least one ready replica (path /health: it answers)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                if httpx.get(self.url + path, timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -65,11 +65,11 @@ class StandIn:
     """A stand-in engine (not the real one): answers /ready and /metrics, and streams one SSE event echoing what
     it received (priority, bucket header) after `delay` seconds, then [DONE]. Records aborted streams."""
 
-    def __init__(self, delay: float = 0.0):
+    def __init__(self, delay: float = 0.0, port: int | None = None):
         self.delay, self.status, self.crash = delay, 200, False
         self.received: list[dict] = []
         self.aborted = 0
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error",
                                                     interface="asgi3", lifespan="off"))

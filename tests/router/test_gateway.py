@@ -8,6 +8,8 @@ import time
 import httpx
 import pytest
 
+from tests.engine.server import free_port
+
 from .helpers import RouterProc, StandIn
 
 BUCKETS = {"buckets": [
@@ -164,3 +166,40 @@ def test_failure_before_first_byte_is_retried_and_disconnect_aborts(tmp_path):
         r.stop()
         good.stop()
         bad.stop()
+
+
+def test_requests_are_held_until_a_replica_comes_up(tmp_path):
+    """Scale from zero: the only replica starts 3 s after the request arrives; the request waits for it, counted
+    in slofleet:router_held_requests, instead of failing. With nothing coming up, 503 after the hold timeout."""
+    port = free_port()
+    r = RouterProc("--upstream", f"http://127.0.0.1:{port}", "--hold-timeout-seconds", "30",
+                   log=tmp_path / "router.log").wait_ready(path="/health")
+    late = None
+    try:
+        assert r.metrics()["slofleet:router_held_requests{bucket=default}"] == 0
+        result: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: result.append(post(r, chat(), key=None)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while r.metrics()["slofleet:router_held_requests{bucket=default}"] != 1:
+            assert time.monotonic() < deadline, "the request was not held"
+            time.sleep(0.1)
+        time.sleep(3)
+        assert not result, "answered before any replica was up"
+        late = StandIn(port=port)
+        t.join(30)
+        assert result and result[0].status_code == 200 and result[0].headers["x-slofleet-replica"] == late.url
+        assert r.metrics()["slofleet:router_held_requests{bucket=default}"] == 0
+    finally:
+        r.stop()
+        if late:
+            late.stop()
+    r = RouterProc("--upstream", "http://127.0.0.1:9", "--hold-timeout-seconds", "1",
+                   log=tmp_path / "router2.log").wait_ready(path="/health")
+    try:
+        t0 = time.monotonic()
+        resp = post(r, chat(), key=None)
+        assert resp.status_code == 503 and 1 <= time.monotonic() - t0 < 10
+        assert "came up within 1 s" in resp.json()["error"]["message"]
+    finally:
+        r.stop()

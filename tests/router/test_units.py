@@ -106,12 +106,17 @@ def test_endpoint_slices():
                        {"addresses": ["10.0.0.2"], "conditions": {"ready": False}},
                        {"addresses": ["fd00::3"]}]},
         {"ports": [{"name": "other", "port": 1}], "endpoints": [{"addresses": ["10.0.0.9"]}]},
+        {"metadata": {"labels": {"slofleet.dev/role": "prefill"}}, "ports": [{"name": "http", "port": 8000}],
+         "endpoints": [{"addresses": ["10.0.1.1"]}]},
     ]
-    assert endpoints_from_slices(slices, "http") == ["http://10.0.0.1:8000", "http://[fd00::3]:8000"]
+    assert endpoints_from_slices(slices, "http") == {"http://10.0.0.1:8000": "unified", "http://10.0.1.1:8000": "prefill",
+                                                     "http://[fd00::3]:8000": "unified"}
     from kubernetes.client import (V1EndpointSlice, V1Endpoint, V1EndpointConditions, DiscoveryV1EndpointPort)
+    from kubernetes.client import V1ObjectMeta
     model = V1EndpointSlice(address_type="IPv4", ports=[DiscoveryV1EndpointPort(name="http", port=8000)],
+                            metadata=V1ObjectMeta(labels={"slofleet.dev/role": "decode"}),
                             endpoints=[V1Endpoint(addresses=["10.1.1.1"], conditions=V1EndpointConditions(ready=True))])
-    assert endpoints_from_slices([model], None) == ["http://10.1.1.1:8000"]
+    assert endpoints_from_slices([model], None) == {"http://10.1.1.1:8000": "decode"}
 
 
 def test_parse_engine_metrics():
@@ -150,22 +155,32 @@ def test_ring_moves_only_the_removed_replicas_keys():
 
 def test_kubernetes_lister_with_a_fake_api(monkeypatch):
     import kubernetes
-    from slofleet.router.replicas import ReplicaSet, kubernetes_lister
+    from slofleet.router.replicas import ReplicaSet, kubernetes_lister, llmservice_selector
+
+    selector = "slofleet.dev/service=chat,slofleet.dev/role in (unified,prefill,decode)"
+    assert llmservice_selector("chat") == selector  # the router's own Service (role router) is not a replica
 
     class FakeDiscovery:
-        slices = [{"ports": [{"name": "http", "port": 8000}], "endpoints": [{"addresses": ["10.0.0.1"]}]}]
+        slices = [{"metadata": {"labels": {"slofleet.dev/role": "decode"}}, "ports": [{"name": "http", "port": 8000}],
+                   "endpoints": [{"addresses": ["10.0.0.1"]}]}]
 
         def list_namespaced_endpoint_slice(self, namespace, label_selector):
-            assert (namespace, label_selector) == ("llm", "kubernetes.io/service-name=chat-engine")
+            assert (namespace, label_selector) == ("llm", selector)
             return type("List", (), {"items": self.slices})()
 
     monkeypatch.setattr(kubernetes.config, "load_incluster_config", lambda: None)
     monkeypatch.setattr(kubernetes.client, "DiscoveryV1Api", FakeDiscovery)
-    lister = kubernetes_lister("llm", "chat-engine", "http")
+    lister = kubernetes_lister("llm", selector, "http")
     changes = []
     rs = ReplicaSet(lister=lister, on_change=changes.append)
     rs.set_urls(lister())
     assert list(rs.replicas) == ["http://10.0.0.1:8000"] and changes == [["http://10.0.0.1:8000"]]
-    FakeDiscovery.slices[0]["endpoints"].append({"addresses": ["10.0.0.2"]})
+    rs.replicas["http://10.0.0.1:8000"].ready = True
+    FakeDiscovery.slices.append({"metadata": {"labels": {"slofleet.dev/role": "prefill"}},
+                                 "ports": [{"name": "http", "port": 8000}], "endpoints": [{"addresses": ["10.0.0.2"]}]})
     rs.set_urls(lister())
     assert changes[-1] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    assert rs.replicas["http://10.0.0.1:8000"].ready  # a known replica keeps its state
+    assert [r.role for r in rs.replicas.values()] == ["decode", "prefill"]
+    rs.replicas["http://10.0.0.2:8000"].ready = True
+    assert [r.url for r in rs.ready(("prefill",))] == ["http://10.0.0.2:8000"]

@@ -9,9 +9,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on")
     parser.add_argument("--upstream", action="append", default=[], metavar="URL",
-                        help="an engine replica, e.g. http://127.0.0.1:8000 (repeat for several)")
+                        help="a unified engine replica, e.g. http://127.0.0.1:8000 (repeat for several)")
+    parser.add_argument("--prefill-upstream", action="append", default=[], metavar="URL",
+                        help="a prefill engine replica (slofleet serve --role prefill; repeatable)")
+    parser.add_argument("--decode-upstream", action="append", default=[], metavar="URL",
+                        help="a decode engine replica (slofleet serve --role decode; repeatable)")
     parser.add_argument("--k8s-service", metavar="[NAMESPACE/]NAME",
                         help="discover replicas from this Service's EndpointSlices instead of --upstream")
+    parser.add_argument("--k8s-llmservice", metavar="[NAMESPACE/]NAME",
+                        help="discover every role's replicas of this LLMService (the operator's Services, by their "
+                             "slofleet.dev/service and slofleet.dev/role labels)")
     parser.add_argument("--k8s-port-name", default=None, help="EndpointSlice port name to use (default: the first)")
     parser.add_argument("--buckets", metavar="FILE",
                         help="YAML/JSON bucket rules: a list, {buckets: [...]}, or an LLMService/SLOPolicy")
@@ -35,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-factor", type=float, default=1.25,
                         help="bounded load: a replica takes at most this times the mean load")
     parser.add_argument("--max-attempts", type=int, default=3, help="replicas tried before the first byte")
+    parser.add_argument("--prefill-threshold-tokens", type=int, default=512,
+                        help="prompts of at least this many (estimated) tokens are prefilled on a prefill replica "
+                             "and handed to a decode replica; shorter ones go straight to a decode replica")
+    parser.add_argument("--hold-timeout-seconds", type=float, default=60.0,
+                        help="while no replica is ready, hold requests this long for one (scale from zero), "
+                             "then answer 503")
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between replica probes")
     parser.add_argument("--grace-period", type=float, default=30.0,
                         help="seconds open streams get to finish after SIGTERM")
@@ -49,21 +62,26 @@ def run(args: argparse.Namespace) -> int:
     from .buckets import DEFAULT_BUCKETS, Classifier, load_buckets
     from .gateway import KeyStore, Quotas
     from .proxy import Router, RouterConfig
-    from .replicas import ReplicaSet, kubernetes_lister
+    from .replicas import ReplicaSet, kubernetes_lister, llmservice_selector, service_selector
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if bool(args.upstream) == bool(args.k8s_service):
-        print("slofleet router: give either --upstream (repeatable) or --k8s-service")
+    static = {**{u: "unified" for u in args.upstream}, **{u: "prefill" for u in args.prefill_upstream},
+              **{u: "decode" for u in args.decode_upstream}}
+    if sum(map(bool, (static, args.k8s_service, args.k8s_llmservice))) != 1:
+        print("slofleet router: give either --upstream/--prefill-upstream/--decode-upstream (repeatable), "
+              "--k8s-service or --k8s-llmservice")
         return 2
     lister = None
-    if args.k8s_service:
-        namespace, _, name = args.k8s_service.rpartition("/")
-        lister = kubernetes_lister(namespace, name, args.k8s_port_name)
-    replicas = ReplicaSet(static=args.upstream, lister=lister, interval=args.health_interval)
+    if args.k8s_service or args.k8s_llmservice:
+        namespace, _, name = (args.k8s_service or args.k8s_llmservice).rpartition("/")
+        selector = service_selector(name) if args.k8s_service else llmservice_selector(name)
+        lister = kubernetes_lister(namespace, selector, args.k8s_port_name)
+    replicas = ReplicaSet(static=static, lister=lister, interval=args.health_interval)
     buckets = load_buckets(args.buckets) if args.buckets else DEFAULT_BUCKETS
     cfg = RouterConfig(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                        capacity_per_replica=args.capacity_per_replica, max_attempts=args.max_attempts,
-                       affinity_chars=args.affinity_chars, replica_header=args.replica_header)
+                       affinity_chars=args.affinity_chars, replica_header=args.replica_header,
+                       prefill_threshold_tokens=args.prefill_threshold_tokens, hold_timeout=args.hold_timeout_seconds)
     app = Router(cfg, replicas, Classifier(buckets, args.chars_per_token, args.min_shed_share),
                  KeyStore(args.api_keys_file, args.api_keys_env, args.rpm, args.tpm), Quotas(args.default_max_tokens),
                  Balancer(args.policy, args.load_factor))

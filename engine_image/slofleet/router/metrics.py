@@ -23,3 +23,9 @@ class RouterMetrics:
                                 ["replica"], registry=r)
         self.routed = Counter("slofleet:router_routed", "Requests sent to a replica, by how it was chosen.",
                                 ["bucket", "how"], registry=r)
+        self.pd_routes = Counter("slofleet:router_pd_routes", "Requests served, by where their prompt was "
+                                 "prefilled: disaggregated (on a prefill replica), direct (a short prompt, on the "
+                                 "serving replica), fallback (a long prompt while no prefill replica was ready).",
+                                 ["bucket", "route"], registry=r)
+        self.held = Gauge("slofleet:router_held_requests", "Requests waiting for a serving replica to become ready "
+                          "(the autoscaler's signal to scale up from zero).", ["bucket"], registry=r)

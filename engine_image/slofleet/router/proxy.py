@@ -5,7 +5,16 @@ A generation request passes: auth (401) -> size limits (413) -> per-key quota (4
 admission and shedding by priority (429) -> replica choice -> proxy. Nothing is sent to the client before the
 upstream's first body chunk, so any failure until then (refused connection, a replica killed mid-prefill, a 503
 from a draining one, a 429 from a full one) is retried on another replica and the client never sees it. A client
-that disconnects cancels the proxy task, which closes the upstream connection: the engine aborts the request."""
+that disconnects cancels the proxy task, which closes the upstream connection: the engine aborts the request.
+
+Prefill/decode disaggregation: a prompt of at least `prefill_threshold_tokens` (estimated) goes to a decode
+replica with the header x-slofleet-prefill-url naming a prefill replica (chosen like any replica: prefix
+affinity, then load); the decode engine pulls the prompt's KV from it and computes no prompt token itself.
+Shorter prompts, and long ones while no prefill replica is ready, go to a decode (or unified) replica that
+prefills itself: a prefill pool scaled to zero or failing costs latency, never requests.
+
+Scale from zero: while no replica that can serve the request is ready, it is held (up to `hold_timeout`) until
+one is, and counted in slofleet:router_held_requests, the signal the autoscaler scales a pool up from zero on."""
 from __future__ import annotations
 
 import asyncio
@@ -31,6 +40,8 @@ GENERATE = ("/v1/completions", "/v1/chat/completions")
 PASS_HEADERS = (b"content-type", b"content-length", b"retry-after")
 FORWARD_HEADERS = ("x-request-id", "traceparent", "tracestate")
 RETRYABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+PREFILL_HEADER = "x-slofleet-prefill-url"  # the engine's contract (slofleet.engine.server.api)
+SERVING = ("unified", "decode")  # roles that run whole requests; a prefill replica only ever prefills
 
 
 @dataclass
@@ -42,6 +53,8 @@ class RouterConfig:
     affinity_chars: int = 256
     connect_timeout: float = 2.0
     replica_header: bool = False  # answer with x-slofleet-replica (tests, debugging)
+    prefill_threshold_tokens: int = 512  # prompts this long or longer are prefilled on a prefill replica
+    hold_timeout: float = 60.0  # how long a request waits for a serving replica to become ready
 
 
 class RoutedBody(BaseModel):
@@ -95,6 +108,8 @@ class Router:
         self.tasks: list[asyncio.Task] = []
         balancer.set_urls(list(replicas.replicas))
         replicas.on_change = balancer.set_urls
+        for b in classifier.buckets:  # present at 0 from the start, for the autoscaler to read
+            self.metrics.held.labels(b.name)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -107,7 +122,7 @@ class Router:
         if method == "GET" and path == "/health":
             return await respond(send, 200, b"ok", b"text/plain")
         if method == "GET" and path == "/ready":
-            ok = bool(self.replicas.ready())
+            ok = bool(self.replicas.ready(SERVING))
             return await respond(send, 200 if ok else 503, b"ready" if ok else b"no ready replica", b"text/plain")
         if method == "GET" and path == "/metrics":
             for r in self.replicas.replicas.values():
@@ -185,7 +200,9 @@ class Router:
             if quota is not None:
                 self.quotas.charge(quota, tokens, body.output_tokens())
             bucket = self.classifier.classify(tokens, body.output_tokens(), headers, path)
-            capacity = self.cfg.capacity_per_replica * len(self.replicas.ready())
+            # With none ready, one replica's worth is admitted and held for the first to come up.
+            ready = len(self.replicas.ready(SERVING)) or (1 if self.cfg.hold_timeout > 0 else 0)
+            capacity = self.cfg.capacity_per_replica * ready
             ticket = self.classifier.admit(bucket, tokens, self.inflight, capacity)
         except GatewayError as e:
             reason = {401: "auth", 413: "size"}.get(e.status, "quota")
@@ -204,7 +221,7 @@ class Router:
         self.inflight += 1
         self.metrics.inflight.labels(bucket.name).inc()
         work = asyncio.ensure_future(self.forward(send, path, json.dumps(data).encode(), upstream_headers, key,
-                                                  ticket, t0))
+                                                  ticket, t0, tokens))
         watch = asyncio.ensure_future(until_disconnect(receive))
         try:
             await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -225,35 +242,80 @@ class Router:
         extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
         await respond(send, status, error_body(status, message, kind), headers=extra)
 
-    async def open_upstream(self, path: str, payload: bytes, headers: dict, key: int | None, ticket: Ticket):
+    async def hold(self, bucket: str, deadline: float) -> bool:
+        """Wait until some serving replica is ready (True) or the deadline passes (False)."""
+        self.metrics.held.labels(bucket).inc()
+        try:
+            while not self.replicas.ready(SERVING):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(self.replicas.became_ready.wait(), left)
+                except asyncio.TimeoutError:
+                    return False
+            return True
+        finally:
+            self.metrics.held.labels(bucket).dec()
+
+    async def open_upstream(self, path: str, payload: bytes, headers: dict, key: int | None, ticket: Ticket,
+                            tokens: int):
         """Open the request on some replica and read its first chunk, trying others on failure. Returns
         (replica, response, first chunk), or (None, status, error body) when every try failed."""
         tried: set[str] = set()
+        bad_prefill: set[str] = set()
         last: tuple[int, bytes] = (503, error_body(503, "no ready replica to serve this request", "unavailable"))
         name = ticket.bucket.name
+        long_prompt = tokens >= self.cfg.prefill_threshold_tokens
+        hold_until = time.monotonic() + self.cfg.hold_timeout
         for attempt in range(self.cfg.max_attempts):
-            replica = self.balancer.choose(self.replicas.ready(), key, tried)
+            replica = self.balancer.choose(self.replicas.ready(SERVING), key, tried)
+            if replica is None and not tried and not self.replicas.ready(SERVING):
+                if await self.hold(name, hold_until):
+                    replica = self.balancer.choose(self.replicas.ready(SERVING), key, tried)
+                else:
+                    last = (503, error_body(503, f"no ready replica of role {' or '.join(SERVING)} came up within "
+                                                 f"{self.cfg.hold_timeout:g} s; the fleet may be scaled to zero "
+                                                 "or failing", "unavailable"))
             if replica is None:
                 break
             if attempt:
                 self.metrics.retries.labels(name).inc()
             tried.add(replica.url)
+            prefill = None
+            if long_prompt:
+                prefill = self.balancer.choose(self.replicas.ready(("prefill",)), key, bad_prefill)
             how = "least-load" if key is None and self.balancer.policy == "prefix" else self.balancer.policy
             self.metrics.routed.labels(name, how).inc()
             replica.inflight += 1
+            send_headers = headers
+            if prefill is not None:
+                prefill.inflight += 1
+                send_headers = {**headers, PREFILL_HEADER: prefill.url}
             resp = None
             try:
-                resp = await self.session.post(replica.url + path, data=payload, headers=headers)
+                resp = await self.session.post(replica.url + path, data=payload, headers=send_headers)
+                body = await resp.read() if resp.status >= 400 else None  # errors are small JSON bodies
+                if body is not None and prefill is not None and b"prefill engine" in body:
+                    # the prefill replica failed or is full, not the decode one: the same decode replica tries
+                    # again with another prefill replica, or prefills itself
+                    bad_prefill.add(prefill.url)
+                    tried.discard(replica.url)
+                    if resp.status == 502:
+                        self.replicas.mark_failed(prefill, "failed for a decode replica")
+                    raise LookupError
                 if resp.status in (429, 503):  # full or draining: another replica may take it
-                    last = (resp.status, await resp.read())
+                    last = (resp.status, body)
                     if resp.status == 503:
                         self.replicas.mark_failed(replica, "answered 503")
                     raise LookupError
-                first = await resp.content.readany()
+                first = body if body is not None else await resp.content.readany()
                 if path == GENERATE[1] and b'"role"' in first and first.count(b"\n\n") == 1:
                     # a chat stream opens with a role-only event before any token: hold it back until the first
                     # token, so a replica that fails during prefill is still retried elsewhere
                     first += await resp.content.readany()
+                route = "disaggregated" if prefill is not None else "fallback" if long_prompt else "direct"
+                self.metrics.pd_routes.labels(name, route).inc()
                 return replica, resp, first
             except RETRYABLE as e:
                 self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
@@ -265,15 +327,18 @@ class Router:
                 if resp is not None:
                     resp.close()
                 raise
+            finally:
+                if prefill is not None:
+                    prefill.inflight -= 1
             replica.inflight -= 1
             if resp is not None:
                 resp.close()
         return None, last[0], last[1]
 
     async def forward(self, send, path: str, payload: bytes, headers: dict, key: int | None, ticket: Ticket,
-                      t0: float) -> None:
+                      t0: float, tokens: int) -> None:
         name = ticket.bucket.name
-        replica, resp, first = await self.open_upstream(path, payload, headers, key, ticket)
+        replica, resp, first = await self.open_upstream(path, payload, headers, key, ticket, tokens)
         self.classifier.release(ticket)  # no longer waiting: the engine has started on it
         if replica is None:
             self.metrics.requests.labels(name, str(resp)).inc()

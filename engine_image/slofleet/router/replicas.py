@@ -1,6 +1,10 @@
 """The replica set: discovery (a static list or Kubernetes EndpointSlices), health checks, and load scraped from
 each engine's /metrics.
 
+Each replica has a role (unified, prefill or decode, as `slofleet serve --role`): from the flag it was listed
+with, or from the `slofleet.dev/role` label the operator puts on each role's Service, which the EndpointSlice
+controller copies onto the Service's slices.
+
 A replica serves traffic only while its /ready answers 200. One failed probe or one refused connection while
 proxying takes it out at once (so a dead pod stops getting requests within one probe interval); it comes back on
 its next successful probe."""
@@ -10,12 +14,14 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import aiohttp
 
 log = logging.getLogger("slofleet.router.replicas")
 
+ROLES = ("unified", "prefill", "decode")
+ROLE_LABEL = "slofleet.dev/role"
 SCRAPED = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
            "vllm:kv_cache_usage_perc": "kv_usage"}
 
@@ -23,6 +29,7 @@ SCRAPED = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": 
 @dataclass
 class Replica:
     url: str
+    role: str = "unified"
     ready: bool = False
     inflight: int = 0  # requests this router has open on it
     waiting: float = 0.0  # from the engine's /metrics
@@ -52,35 +59,47 @@ def parse_load(text: str) -> dict[str, float]:
     return out
 
 
-def endpoints_from_slices(slices: list[Any], port_name: str | None, scheme: str = "http") -> list[str]:
-    """Ready endpoint URLs from discovery.k8s.io/v1 EndpointSlice objects (kubernetes client models or dicts)."""
+def endpoints_from_slices(slices: list[Any], port_name: str | None, scheme: str = "http") -> dict[str, str]:
+    """Ready endpoint URL -> role, from discovery.k8s.io/v1 EndpointSlice objects (kubernetes client models or
+    dicts). A slice without the role label is a unified fleet's."""
 
     def get(obj: Any, name: str) -> Any:
         return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 
-    urls = []
+    urls: dict[str, str] = {}
     for s in slices:
         ports = [p for p in get(s, "ports") or [] if port_name is None or get(p, "name") == port_name]
         if not ports:
             continue
         port = get(ports[0], "port")
+        role = (get(get(s, "metadata") or {}, "labels") or {}).get(ROLE_LABEL, "unified")
         for ep in get(s, "endpoints") or []:
             cond = get(ep, "conditions")
             if cond is not None and get(cond, "ready") is False:  # absent means ready, per the API
                 continue
             for addr in get(ep, "addresses") or []:
                 host = f"[{addr}]" if ":" in addr else addr
-                urls.append(f"{scheme}://{host}:{port}")
-    return sorted(set(urls))
+                urls[f"{scheme}://{host}:{port}"] = role
+    return dict(sorted(urls.items()))
 
 
 SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
-def kubernetes_lister(namespace: str, service: str, port_name: str | None) -> Callable[[], list[str]]:
-    """A blocking function listing the Service's ready endpoints through the API server (in-cluster config,
-    else kubeconfig). Polled rather than watched: endpoints change rarely and a poll cannot silently stall.
-    No namespace given: the router pod's own. Needs RBAC to list discovery.k8s.io endpointslices there."""
+def service_selector(service: str) -> str:
+    return f"kubernetes.io/service-name={service}"
+
+
+def llmservice_selector(name: str) -> str:
+    # Every engine role's Service of the LLMService, and not the router's own Service (role "router").
+    return f"slofleet.dev/service={name},{ROLE_LABEL} in ({','.join(ROLES)})"
+
+
+def kubernetes_lister(namespace: str, selector: str, port_name: str | None) -> Callable[[], dict[str, str]]:
+    """A blocking function listing the ready endpoints (URL -> role) of the EndpointSlices matching `selector`,
+    through the API server (in-cluster config, else kubeconfig). Polled rather than watched: endpoints change
+    rarely and a poll cannot silently stall. No namespace given: the router pod's own. Needs RBAC to list
+    discovery.k8s.io endpointslices there."""
     from kubernetes import client, config
 
     if not namespace:
@@ -91,8 +110,8 @@ def kubernetes_lister(namespace: str, service: str, port_name: str | None) -> Ca
         config.load_kube_config()
     api = client.DiscoveryV1Api()
 
-    def list_urls() -> list[str]:
-        slices = api.list_namespaced_endpoint_slice(namespace, label_selector=f"kubernetes.io/service-name={service}")
+    def list_urls() -> dict[str, str]:
+        slices = api.list_namespaced_endpoint_slice(namespace, label_selector=selector)
         return endpoints_from_slices(slices.items, port_name)
 
     return list_urls
@@ -100,27 +119,31 @@ def kubernetes_lister(namespace: str, service: str, port_name: str | None) -> Ca
 
 @dataclass
 class ReplicaSet:
-    static: list[str] = field(default_factory=list)
-    lister: Callable[[], list[str]] | None = None  # blocking; run in a thread
+    static: dict[str, str] = field(default_factory=dict)  # URL -> role
+    lister: Callable[[], dict[str, str]] | None = None  # blocking; run in a thread
     interval: float = 1.0
     timeout: float = 1.0
     replicas: dict[str, Replica] = field(default_factory=dict)
     on_change: Callable[[list[str]], None] | None = None
+    # Set (and replaced) each time a replica turns ready: requests held while none was ready wait on it.
+    became_ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.set_urls(self.static)
 
-    def set_urls(self, urls: list[str]) -> None:
-        urls = [u.rstrip("/") for u in urls]
-        if set(urls) == set(self.replicas):
+    def set_urls(self, urls: dict[str, str]) -> None:
+        urls = {u.rstrip("/"): role for u, role in urls.items()}
+        if urls == {u: r.role for u, r in self.replicas.items()}:
             return
-        self.replicas = {u: self.replicas.get(u) or Replica(u) for u in urls}
-        log.info("replicas: %s", ", ".join(urls) or "none")
+        old = self.replicas
+        self.replicas = {u: old[u] if u in old and old[u].role == role else Replica(u, role)
+                         for u, role in urls.items()}
+        log.info("replicas: %s", ", ".join(f"{u} ({role})" for u, role in urls.items()) or "none")
         if self.on_change:
             self.on_change(list(self.replicas))
 
-    def ready(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.ready]
+    def ready(self, roles: Iterable[str] = ROLES) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.ready and r.role in roles]
 
     def mark_failed(self, replica: Replica, why: str) -> None:
         if replica.ready:
@@ -139,11 +162,13 @@ class ReplicaSet:
             ready, why = False, f"{type(e).__name__}: {e}"
         else:
             why = "not ready"
-        if ready and not r.ready:
-            log.info("replica %s is ready", r.url)
-        elif not ready:
+        if not ready:
             self.mark_failed(r, why)
-        r.ready = ready
+        elif not r.ready:
+            log.info("replica %s (%s) is ready", r.url, r.role)
+            r.ready = True
+            self.became_ready.set()
+            self.became_ready = asyncio.Event()
 
     async def run(self) -> None:
         """Probe every replica every `interval` seconds, refreshing the list from the lister first."""
