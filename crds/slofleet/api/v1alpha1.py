@@ -103,6 +103,9 @@ class Topology(_Model):
     unified: Pool | None = Field(None, description="the pool of mode unified")
     prefill: Pool | None = Field(None, description="the prefill pool of mode disaggregated")
     decode: Pool | None = Field(None, description="the decode pool of mode disaggregated")
+    prefill_threshold_tokens: int = Field(512, ge=0, description="mode disaggregated: the router prefills prompts of "
+                                          "at least this many tokens on a prefill replica and hands their KV to a "
+                                          "decode replica; shorter prompts go straight to a decode replica")
     model_config = ConfigDict(json_schema_extra=_rules(
         ("self.mode != 'disaggregated' || (has(self.prefill) && has(self.decode))",
          "topology.mode disaggregated needs both topology.prefill and topology.decode"),
@@ -172,6 +175,20 @@ class Autoscaling(_Model):
     target_kv_cache_usage: float = Field(0.8, gt=0, le=1)
 
 
+class Router(_Model):
+    """The `slofleet router` Deployment in front of the engines, the service's endpoint: buckets, priority
+    shedding, prefix-aware replica choice, the prefill -> decode hand-off, and holding requests while no engine
+    is ready (scale from zero). It finds the engines through their Services' EndpointSlices."""
+    enabled: bool = Field(True, description="off: no router; clients call the engines' Services directly")
+    replicas: int = Field(1, ge=1, le=64)
+    port: int = Field(8080, ge=1, le=65535)
+    policy: Literal["prefix", "least-load", "round-robin"] = Field("prefix", description="replica choice")
+    hold_timeout_seconds: int = Field(60, ge=0, le=3600, description="how long a request waits for a ready engine "
+                                      "(scale from zero) before it gets 503")
+    resources: Resources = Field({"requests": {"cpu": "100m", "memory": "128Mi"},
+                                  "limits": {"cpu": "1", "memory": "512Mi"}})
+
+
 class LLMServiceSpec(_Model):
     model: ModelSource = Field({})
     engine: Engine = Field({})
@@ -179,6 +196,7 @@ class LLMServiceSpec(_Model):
     policy_ref: str | None = Field(None, description="name of an SLOPolicy in the namespace whose buckets apply when `buckets` is empty")
     buckets: list[Bucket] = Field([], max_length=32, json_schema_extra=_unique_buckets())
     autoscaling: Autoscaling = Field({})
+    router: Router = Field({})
 
 
 class SLOPolicySpec(_Model):
