@@ -127,29 +127,33 @@ def test_shedding_follows_priority(engines, tmp_path):
 
 def test_killing_a_replica_mid_load_loses_no_unstarted_request(router, engines):
     """Runs last in the module: it kills engine 1. Engines run 2 requests at a time, so most of this load waits
-    in the victim's queue when it dies; those must be retried on the survivor."""
+    in the victim's queue when it dies; those must be retried on the survivor. Non-streaming requests send no
+    byte before they finish, so every one of them must complete."""
     victim = engines[1]
     results: list[dict] = []
     first_bytes = "slofleet:router_time_to_first_byte_seconds_count{bucket=default}"
-    ttfb0 = router.metrics()[first_bytes]
+    ttfb0 = router.metrics().get(first_bytes, 0)  # absent until the first request
 
-    def one(i: int) -> None:
-        out = {"replica": None, "done": False, "status": None}
+    def one(i: int, stream: bool) -> None:
+        out = {"replica": None, "done": False, "status": None, "stream": stream}
         body = {"model": MODEL, "prompt": f"Request {i}: list some colours", "max_tokens": 8, "ignore_eos": True,
-                "temperature": 0, "stream": True}
+                "temperature": 0, "stream": stream}
         try:
             with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=180,
                               headers={"authorization": "Bearer sk-test"}) as resp:
                 out["status"], out["replica"] = resp.status_code, resp.headers.get("x-slofleet-replica")
-                out["done"] = any(line == "data: [DONE]" for line in resp.iter_lines())
+                if stream:
+                    out["done"] = any(line == "data: [DONE]" for line in resp.iter_lines())
+                else:
+                    out["done"] = json.loads(resp.read())["usage"]["completion_tokens"] == 8
         except httpx.HTTPError as e:
             out["error"] = repr(e)
         results.append(out)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=one, args=(i, i % 3 != 2)) for i in range(12)]
     for t in threads:
         t.start()
-    while not results and router.metrics()[first_bytes] < ttfb0 + 1:
+    while not results and router.metrics().get(first_bytes, 0) < ttfb0 + 1:
         time.sleep(0.05)  # kill once the fleet is busy: some streams started, others still queued
     victim.stop(signal.SIGKILL)
     killed_at = time.monotonic()
@@ -159,7 +163,9 @@ def test_killing_a_replica_mid_load_loses_no_unstarted_request(router, engines):
     for t in threads:
         t.join()
     lost = [r for r in results if not r["done"]]
-    assert all(r["replica"] == victim.url for r in lost), f"only streams started on the victim may break: {lost}"
+    assert all(r["replica"] == victim.url and r["stream"] for r in lost), \
+        f"only streams started on the victim may break: {lost}"
+    assert sum(not r["stream"] for r in results) == 4
     assert all(r["status"] == 200 for r in results if r["replica"] != victim.url), results
     assert len(lost) <= 2, f"at most the victim's 2 running requests had started streaming: {lost}"
     assert router.metrics()["slofleet:router_retries_total{bucket=default}"] >= 1
