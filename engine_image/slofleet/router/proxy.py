@@ -22,17 +22,17 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from .balancer import Balancer, prefix_key
 from .buckets import Admission, Bucket, Classifier, Ticket
 from .gateway import GatewayError, KeyStore, Quotas
 from .metrics import RouterMetrics
 from .replicas import ReplicaSet
+from .wire import RoutedBody, error_body, headers_of, respond, until_disconnect
 
 log = logging.getLogger("slofleet.router")
 BUCKET_HEADER = "x-slofleet-bucket"
@@ -55,46 +55,6 @@ class RouterConfig:
     replica_header: bool = False  # answer with x-slofleet-replica (tests, debugging)
     prefill_threshold_tokens: int = 512  # prompts this long or longer are prefilled on a prefill replica
     hold_timeout: float = 60.0  # how long a request waits for a serving replica to become ready
-
-
-class RoutedBody(BaseModel):
-    """The fields the router reads; the rest passes through untouched for the engine to validate."""
-    model_config = ConfigDict(extra="allow")
-    prompt: str | list[Any] | None = None
-    messages: list[dict[str, Any]] | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-
-    def text_and_ids(self) -> tuple[str, int | None]:
-        """The flattened prompt text, and its token count when the prompt is already token ids."""
-        if self.messages is not None:
-            parts = []
-            for m in self.messages:
-                c = m.get("content")
-                if isinstance(c, list):
-                    c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
-                parts.append(f"{m.get('role', '')}\n{c or ''}\n")
-            return "".join(parts), None
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            p = p[0]
-        if isinstance(p, list):
-            return ",".join(map(str, p)), len(p)
-        return p or "", None
-
-    def output_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-def error_body(status: int, message: str, kind: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
-
-
-async def respond(send, status: int, body: bytes, content_type: bytes = b"application/json",
-                  headers: list[tuple[bytes, bytes]] = ()) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *headers]})
-    await send({"type": "http.response.body", "body": body})
 
 
 class Router:
@@ -364,12 +324,3 @@ class Router:
         finally:
             replica.inflight -= 1
             resp.release() if done else resp.close()
-
-
-def headers_of(scope) -> dict[str, str]:
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-
-
-async def until_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass

@@ -1,0 +1,57 @@
+"""What the router reads of a request and writes back without an upstream: the OpenAI body's routing fields,
+error bodies, and raw ASGI helpers."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class RoutedBody(BaseModel):
+    """The fields the router reads; the rest passes through untouched for the engine to validate."""
+    model_config = ConfigDict(extra="allow")
+    prompt: str | list[Any] | None = None
+    messages: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+    def text_and_ids(self) -> tuple[str, int | None]:
+        """The flattened prompt text, and its token count when the prompt is already token ids."""
+        if self.messages is not None:
+            parts = []
+            for m in self.messages:
+                c = m.get("content")
+                if isinstance(c, list):
+                    c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
+                parts.append(f"{m.get('role', '')}\n{c or ''}\n")
+            return "".join(parts), None
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, list):
+            return ",".join(map(str, p)), len(p)
+        return p or "", None
+
+    def output_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def error_body(status: int, message: str, kind: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+
+
+async def respond(send, status: int, body: bytes, content_type: bytes = b"application/json",
+                  headers: list[tuple[bytes, bytes]] = ()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def headers_of(scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+async def until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
