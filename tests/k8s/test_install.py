@@ -16,8 +16,11 @@ def test_helm_lint_and_template_are_clean(cluster):
     assert "0 chart(s) failed" in lint.stdout and "[WARNING]" not in lint.stdout, lint.stdout
     out = cluster.helm("template", "slofleet", CHART, "--namespace", NS, "--include-crds").stdout
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "CustomResourceDefinition",
-                     "Deployment", "Service", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                     "CustomResourceDefinition", "Deployment", "Service", "ServiceAccount"]  # the 2nd role: routers'
+    args = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment")[
+        "spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--router-cluster-role=slofleet-router" in args
     too_many = cluster.helm("template", "x", CHART, "--set", "operator.replicas=2", check=False)
     assert too_many.returncode and "operator.replicas > 1 needs operator.peering: true" in too_many.stderr
 
@@ -33,6 +36,11 @@ def _operator_is_least_privilege(cluster, role: str) -> None:
     rules = cluster.get("clusterrole", role)["rules"]
     assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in rules)
     assert not any("secrets" in r["resources"] for r in rules)
+    # It may bind the routers' ClusterRole, and no other, without holding that role's rules.
+    assert [r.get("resourceNames") for r in rules if "bind" in r["verbs"]] == [["slofleet-router"]]
+    router = cluster.get("clusterrole", "slofleet-router")["rules"]
+    assert router == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                       "verbs": ["get", "list", "watch"]}]
 
 
 def test_kubectl_apply_k_manifests(crds):

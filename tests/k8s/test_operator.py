@@ -68,10 +68,14 @@ def apply(cluster, ns: str, name: str, spec: dict) -> None:
 
 def children(cluster, ns: str, name: str) -> dict[str, dict]:
     out = {}
-    for kind in ("deployment", "service", "configmap", "poddisruptionbudget"):
+    for kind in ("deployment", "service", "configmap", "poddisruptionbudget", "serviceaccount", "rolebinding"):
         for o in cluster.items(kind, ns, f"slofleet.dev/service={name}"):
             out[f"{o['kind']}/{o['metadata']['name']}"] = o
     return out
+
+
+def router_children(name: str) -> set[str]:
+    return {f"{kind}/{name}-router" for kind in ("Deployment", "Service", "ServiceAccount", "RoleBinding")}
 
 
 def condition(obj: dict, type_: str) -> str | None:
@@ -81,7 +85,8 @@ def condition(obj: dict, type_: str) -> str | None:
 def test_unified_service_lifecycle(crds, namespace, operator):
     t0 = time.monotonic()
     apply(crds, namespace, "chat", UNIFIED)
-    want = {"ConfigMap/chat-engine", "Deployment/chat-unified", "Service/chat-unified", "PodDisruptionBudget/chat"}
+    want = {"ConfigMap/chat-engine", "Deployment/chat-unified", "Service/chat-unified", "PodDisruptionBudget/chat",
+            *router_children("chat")}
     objs = wait_until("the children", lambda: (c := children(crds, namespace, "chat")) and set(c) == want and c)
     uid = crds.get("llms", "chat", namespace)["metadata"]["uid"]
     for o in objs.values():
@@ -95,17 +100,23 @@ def test_unified_service_lifecycle(crds, namespace, operator):
         got = wait_until("Ready=True", lambda: (s := crds.get("llms", "chat", namespace)) and
                          condition(s, "Ready") == "True" and s, timeout=90)
         assert got["status"]["roles"]["unified"] == {"replicas": 1, "readyReplicas": 1, "desiredReplicas": 1}
-        assert got["status"]["endpoint"] == f"http://chat-unified.{namespace}.svc:8000"
+        assert got["status"]["roles"]["router"] == {"replicas": 1, "readyReplicas": 1, "desiredReplicas": 1}
+        assert got["status"]["endpoint"] == f"http://chat-router.{namespace}.svc:8080"
         assert got["status"]["observedGeneration"] == got["metadata"]["generation"]
-        pod = crds.items("pods", namespace, "slofleet.dev/service=chat")[0]
+        pod = crds.items("pods", namespace, "slofleet.dev/service=chat,slofleet.dev/role=unified")[0]
         with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/argv", timeout=5) as r:
             assert json.loads(r.read())[:3] == ["serve", "--host", pod["status"]["podIP"]]
+        pod = crds.items("pods", namespace, "slofleet.dev/service=chat,slofleet.dev/role=router")[0]
+        assert pod["spec"]["serviceAccountName"] == "chat-router"
+        with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8080/argv", timeout=5) as r:
+            argv = json.loads(r.read())
+            assert argv[0] == "router" and argv[argv.index("--k8s-llmservice") + 1] == f"{namespace}/chat"
         log(f"  Ready: {time.monotonic() - t0:.1f}s")
     events = crds.kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.name=chat").stdout
     assert "Created" in events
     with urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5) as r:
         metrics = r.read().decode()
-    assert 'slofleet_operator_child_changes_total{action="created",kind="Deployment"} 1.0' in metrics
+    assert 'slofleet_operator_child_changes_total{action="created",kind="Deployment"} 2.0' in metrics  # engines, router
     assert "slofleet_operator_reconcile_duration_seconds_count" in metrics
 
     # Idempotent: resyncs (every 3 s) leave the children untouched.
@@ -162,7 +173,7 @@ def test_disaggregated_service_and_operator_restart(crds, namespace, operator):
     operator.stop(signal.SIGKILL)  # ...and again mid-way through reconciling it
     operator.start()
     want = {"ConfigMap/docs-engine", "Deployment/docs-prefill", "Deployment/docs-decode", "Service/docs-prefill",
-            "Service/docs-decode", "PodDisruptionBudget/docs"}
+            "Service/docs-decode", "PodDisruptionBudget/docs", *router_children("docs")}
     objs = wait_until("the disaggregated children", lambda: (c := children(crds, namespace, "docs")) and
                       set(c) == want and c, timeout=60)
     policy = json.loads(objs["ConfigMap/docs-engine"]["data"]["policy.json"])
@@ -173,16 +184,22 @@ def test_disaggregated_service_and_operator_restart(crds, namespace, operator):
     # Exactly one of each: after the restarts, and after a few resyncs more.
     time.sleep(4)
     assert set(children(crds, namespace, "docs")) == want
-    assert len(crds.items("replicasets", namespace, "slofleet.dev/service=docs")) == 2
+    assert len(crds.items("replicasets", namespace, "slofleet.dev/service=docs")) == 3
     if crds.local:
         wait_until("Ready=True", lambda: condition(crds.get("llms", "docs", namespace), "Ready") == "True", timeout=90)
-        assert len(crds.items("pods", namespace, "slofleet.dev/service=docs")) == 2
+        assert len(crds.items("pods", namespace, "slofleet.dev/service=docs")) == 3
+        # The engines' EndpointSlices carry their Service's role label: what the router discovers them by.
+        slices = crds.items("endpointslices", namespace,
+                            "slofleet.dev/service=docs,slofleet.dev/role in (unified,prefill,decode)")
+        assert sorted(s["metadata"]["labels"]["slofleet.dev/role"] for s in slices) == ["decode", "prefill"]
     # Back to unified: the prefill/decode children are pruned, the unified ones appear.
     apply(crds, namespace, "docs", {**UNIFIED, "policyRef": "standard"})
-    want_unified = {"ConfigMap/docs-engine", "Deployment/docs-unified", "Service/docs-unified", "PodDisruptionBudget/docs"}
+    want_unified = {"ConfigMap/docs-engine", "Deployment/docs-unified", "Service/docs-unified", "PodDisruptionBudget/docs",
+                    *router_children("docs")}
     wait_until("the topology switched", lambda: set(children(crds, namespace, "docs")) == want_unified, timeout=60)
     wait_until("status roles switched",
-               lambda: set(crds.get("llms", "docs", namespace)["status"].get("roles", {})) == {"unified"}, timeout=30)
+               lambda: set(crds.get("llms", "docs", namespace)["status"].get("roles", {})) == {"unified", "router"},
+               timeout=30)
     log(f"  disaggregated + restarts: {time.monotonic() - t0:.1f}s")
 
 
@@ -196,7 +213,8 @@ def test_real_engine_pod_serves(crds, namespace, operator):
     real_path = f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin"
     spec = {"engine": {**UNIFIED["engine"], "kvCacheMemoryGb": 0.25, "maxModelLen": 2048,
                        "env": {"PATH": real_path}},  # the pod's PATH finds the real CLI, not the fake
-            "topology": {"unified": {"replicas": 1}}, "buckets": UNIFIED["buckets"]}
+            "topology": {"unified": {"replicas": 1}}, "buckets": UNIFIED["buckets"],
+            "router": {"enabled": False}}  # the real router needs in-cluster API credentials the node runner lacks
     apply(crds, namespace, "real", spec)
     wait_until("Ready=True", lambda: condition(crds.get("llms", "real", namespace), "Ready") == "True", timeout=240)
     pod = crds.items("pods", namespace, "slofleet.dev/service=real")[0]

@@ -34,7 +34,8 @@ def arg(container: dict, flag: str) -> str:
 
 def test_unified_defaults_produce_the_expected_children():
     objs = build(svc())
-    assert sorted(objs) == ["ConfigMap/s-engine", "Deployment/s-unified", "PodDisruptionBudget/s", "Service/s-unified"]
+    assert sorted(objs) == ["ConfigMap/s-engine", "Deployment/s-router", "Deployment/s-unified", "PodDisruptionBudget/s",
+                            "RoleBinding/s-router", "Service/s-router", "Service/s-unified", "ServiceAccount/s-router"]
     for o in objs.values():
         assert o["metadata"]["namespace"] == "ns"
         assert o["metadata"]["ownerReferences"] == [{"apiVersion": "slofleet.dev/v1alpha1", "kind": "LLMService",
@@ -57,14 +58,48 @@ def test_unified_defaults_produce_the_expected_children():
 def test_disaggregated_topology_has_a_deployment_and_service_per_role():
     objs = build(svc({"topology": {"mode": "disaggregated", "prefill": {"minReplicas": 2, "maxReplicas": 4},
                                    "decode": {"minReplicas": 1, "maxReplicas": 8, "replicas": 3}}}))
-    assert sorted(objs) == ["ConfigMap/s-engine", "Deployment/s-decode", "Deployment/s-prefill",
-                            "PodDisruptionBudget/s", "Service/s-decode", "Service/s-prefill"]
+    assert sorted(objs) == ["ConfigMap/s-engine", "Deployment/s-decode", "Deployment/s-prefill", "Deployment/s-router",
+                            "PodDisruptionBudget/s", "RoleBinding/s-router", "Service/s-decode", "Service/s-prefill",
+                            "Service/s-router", "ServiceAccount/s-router"]
     assert objs["Deployment/s-prefill"]["spec"]["replicas"] == 2
     assert objs["Deployment/s-decode"]["spec"]["replicas"] == 3
     assert arg(engine(objs, "prefill"), "--role") == "prefill" and arg(engine(objs, "decode"), "--role") == "decode"
-    assert children.endpoint(svc({"topology": {"mode": "disaggregated", "prefill": {}, "decode": {}}})) == \
-        "http://s-prefill.ns.svc:8000"
-    assert children.endpoint(svc()) == "http://s-unified.ns.svc:8000"
+    assert children.endpoint(svc()) == "http://s-router.ns.svc:8080"
+    # Without a router, clients call the engines that run whole requests (a decode engine prefills itself).
+    assert children.endpoint(svc({"router": {"enabled": False}})) == "http://s-unified.ns.svc:8000"
+    assert children.endpoint(svc({"router": {"enabled": False}, "topology": {
+        "mode": "disaggregated", "prefill": {}, "decode": {}}})) == "http://s-decode.ns.svc:8000"
+
+
+def test_the_router_is_deployed_in_front_of_the_engines():
+    s = svc({"buckets": BUCKETS, "engine": {"image": "reg/x:1", "drainSeconds": 20},
+             "topology": {"mode": "disaggregated", "prefill": {}, "decode": {}, "prefillThresholdTokens": 1024},
+             "router": {"replicas": 2, "port": 9090, "holdTimeoutSeconds": 30, "policy": "least-load"}})
+    objs = build(s, router_cluster_role="my-router-role")
+    d = objs["Deployment/s-router"]["spec"]
+    pod = d["template"]["spec"]
+    c = pod["containers"][0]
+    assert d["replicas"] == 2 and d["selector"]["matchLabels"] == {"slofleet.dev/service": "s", "slofleet.dev/role": "router"}
+    assert objs["Service/s-router"]["spec"]["selector"] == d["selector"]["matchLabels"]
+    assert objs["Service/s-router"]["spec"]["ports"] == [{"name": "http", "port": 9090, "targetPort": "http"}]
+    assert c["command"] == ["slofleet", "router"] and c["image"] == "reg/x:1"  # the one image
+    assert [arg(c, f) for f in ("--port", "--k8s-llmservice", "--k8s-port-name", "--prefill-threshold-tokens",
+                                "--hold-timeout-seconds", "--policy", "--grace-period", "--host")] == \
+        ["9090", "ns/s", "http", "1024", "30", "least-load", "20", "$(POD_IP)"]
+    # The buckets from the same ConfigMap the engines read; a policy change rolls the router too.
+    assert arg(c, "--buckets") == "/etc/slofleet/policy.json"
+    assert {"name": "config", "configMap": {"name": "s-engine"}} in pod["volumes"]
+    assert d["template"]["metadata"]["annotations"] == \
+        objs["Deployment/s-decode"]["spec"]["template"]["metadata"]["annotations"]
+    # Ready while no engine is (it holds requests for the autoscaler to scale from zero).
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": 9090}
+    assert pod["serviceAccountName"] == "s-router" and "ServiceAccount/s-router" in objs
+    rb = objs["RoleBinding/s-router"]
+    assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "my-router-role"}
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "s-router", "namespace": "ns"}]
+    # Its Service is not one of the engines' that it discovers (those carry an engine role).
+    assert objs["Service/s-router"]["metadata"]["labels"]["slofleet.dev/role"] == "router"
+    assert not [k for k in build(svc({"router": {"enabled": False}})) if "router" in k]
 
 
 @pytest.mark.parametrize("pool,auto,decision,expected", [

@@ -1,4 +1,5 @@
 {{- define "slofleet.name" -}}{{ .Release.Name }}-operator{{- end -}}
+{{- define "slofleet.routerRole" -}}{{ .Release.Name }}-router{{- end -}}
 {{- define "slofleet.sa" -}}{{ default (include "slofleet.name" .) .Values.serviceAccount.name }}{{- end -}}
 {{- define "slofleet.labels" -}}
 app.kubernetes.io/name: slofleet-operator

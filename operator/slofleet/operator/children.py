@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from slofleet.api.v1alpha1 import API_VERSION, Bucket, LLMService, Pool, RoleAutoscaling
 
+from slofleet.operator import router
 from slofleet.operator.podspec import labels, pod_template
 
 
@@ -18,6 +19,7 @@ class Inputs:
     """Everything besides the resource itself that decides the children."""
     buckets: list[Bucket]  # spec.buckets, or the referenced SLOPolicy's
     service_monitor: bool = False  # the ServiceMonitor CRD exists in the cluster
+    router_cluster_role: str = router.DEFAULT_CLUSTER_ROLE  # what the router's RoleBinding grants (see router.py)
 
 
 def replicas(pool: Pool, autoscaling_on: bool, decision: RoleAutoscaling | None) -> int:
@@ -28,14 +30,13 @@ def replicas(pool: Pool, autoscaling_on: bool, decision: RoleAutoscaling | None)
     return pool.replicas if pool.replicas is not None else pool.min_replicas
 
 
-def entry_role(svc: LLMService) -> str:
-    # Requests enter a disaggregated fleet at prefill (the router takes this role over when it is deployed).
-    return "unified" if svc.spec.topology.mode == "unified" else "prefill"
-
-
 def endpoint(svc: LLMService) -> str:
-    m = svc.metadata
-    return f"http://{m['name']}-{entry_role(svc)}.{m.get('namespace', 'default')}.svc:{svc.spec.engine.port}"
+    """Where clients send requests: the router, else (router off) the engines that run whole requests."""
+    m, ns = svc.metadata, svc.metadata.get("namespace", "default")
+    if svc.spec.router.enabled:
+        return f"http://{router.name_of(svc)}.{ns}.svc:{svc.spec.router.port}"
+    role = "unified" if svc.spec.topology.mode == "unified" else "decode"
+    return f"http://{m['name']}-{role}.{ns}.svc:{svc.spec.engine.port}"
 
 
 def owner_reference(svc: LLMService) -> dict:
@@ -104,6 +105,9 @@ def desired(svc: LLMService, inputs: Inputs) -> list[dict]:
     for role, pool in svc.spec.topology.pools().items():
         count = replicas(pool, auto, svc.status.autoscaling.get(role))
         out += [deployment(svc, role, count, inputs, cm), service(svc, role)]
+    if svc.spec.router.enabled:
+        out += router.children(svc, owner_reference(svc), inputs.router_cluster_role, cm["metadata"]["name"],
+                               config_hash(cm))
     out.append(pdb(svc))
     if inputs.service_monitor:
         out.append(service_monitor(svc))

@@ -15,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0: off)")
     parser.add_argument("--health-port", type=int, default=8081, help="liveness endpoint port, /healthz (0: off)")
     parser.add_argument("--resync-seconds", type=float, default=30.0, help="periodic re-reconcile of every service")
+    parser.add_argument("--router-cluster-role", default="slofleet-router",
+                        help="ClusterRole each LLMService's router is bound to (listing EndpointSlices)")
     parser.add_argument("--verbose", action="store_true")
 
 
@@ -24,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
 
     from slofleet.operator import handlers
 
-    handlers.register(args.resync_seconds)
+    handlers.register(args.resync_seconds, args.router_cluster_role)
     if args.metrics_port:
         start_http_server(args.metrics_port)
 

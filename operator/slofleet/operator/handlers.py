@@ -13,7 +13,7 @@ import kopf
 
 from slofleet.api.v1alpha1 import GROUP, VERSION
 
-from slofleet.operator import kube as kube_mod, metrics
+from slofleet.operator import kube as kube_mod, metrics, router
 from slofleet.operator.reconcile import reconcile
 
 PLURAL = "llmservices"
@@ -25,6 +25,7 @@ _guard = threading.Lock()
 _running: set[tuple[str, str]] = set()
 _dirty: set[tuple[str, str]] = set()
 _decisions: dict[str, dict] = {}  # uid -> the last status.autoscaling seen
+_router_cluster_role = router.DEFAULT_CLUSTER_ROLE  # set by register()
 
 
 def kube() -> kube_mod.Kube:
@@ -61,7 +62,7 @@ def run_reconcile(body: dict, trigger: str) -> None:
 def reconcile_once(body: dict, trigger: str) -> None:
     start = time.monotonic()
     try:
-        out = reconcile(kube(), body)
+        out = reconcile(kube(), body, _router_cluster_role)
     except Exception as e:
         metrics.RECONCILES.labels(trigger, "error").inc()
         kopf.warn(body, reason="ReconcileFailed", message=str(e)[:500])
@@ -78,8 +79,10 @@ def reconcile_once(body: dict, trigger: str) -> None:
         kopf.warn(body, reason="PolicyNotFound", message=w)
 
 
-def register(resync_seconds: float) -> None:
+def register(resync_seconds: float, router_cluster_role: str) -> None:
     """Registers the handlers on kopf's default registry (called once, before kopf.run)."""
+    global _router_cluster_role
+    _router_cluster_role = router_cluster_role
 
     @kopf.on.resume(GROUP, VERSION, PLURAL)
     @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -105,7 +108,8 @@ def register(resync_seconds: float) -> None:
         run_reconcile(dict(body), "resync")
 
     for group_version, plural in (("v1", "configmaps"), ("apps/v1", "deployments"), ("v1", "services"),
-                                  ("policy/v1", "poddisruptionbudgets")):
+                                  ("policy/v1", "poddisruptionbudgets"), ("v1", "serviceaccounts"),
+                                  ("rbac.authorization.k8s.io/v1", "rolebindings")):
         kopf.on.event(group_version, plural, labels=MANAGED)(on_child_event)
 
 

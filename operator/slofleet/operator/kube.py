@@ -15,7 +15,8 @@ from slofleet.api.v1alpha1 import API_VERSION
 FIELD_MANAGER = "slofleet-operator"
 # Kinds the operator owns and prunes (the ServiceMonitor only where its CRD exists).
 CHILD_KINDS = [("v1", "ConfigMap"), ("apps/v1", "Deployment"), ("v1", "Service"),
-               ("policy/v1", "PodDisruptionBudget"), ("monitoring.coreos.com/v1", "ServiceMonitor")]
+               ("policy/v1", "PodDisruptionBudget"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
+               ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "RoleBinding")]
 
 
 def connect() -> dynamic.DynamicClient:

@@ -9,8 +9,8 @@ GPU = "nvidia.com/gpu"
 DRAIN_SLACK_SECONDS = 10
 
 
-def labels(name: str, role: str | None = None) -> dict[str, str]:
-    out = {"app.kubernetes.io/name": "slofleet-engine", "app.kubernetes.io/instance": name,
+def labels(name: str, role: str | None = None, app: str = "slofleet-engine") -> dict[str, str]:
+    out = {"app.kubernetes.io/name": app, "app.kubernetes.io/instance": name,
            "app.kubernetes.io/managed-by": "slofleet-operator", "slofleet.dev/service": name}
     if role:
         out["slofleet.dev/role"] = role
@@ -51,7 +51,7 @@ def resources(svc: LLMService) -> dict:
     return {"requests": requests, "limits": limits}
 
 
-def _probe(path: str, port: int, period: int, failures: int) -> dict:
+def probe(path: str, port: int, period: int, failures: int) -> dict:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures,
             "timeoutSeconds": 2}
 
@@ -87,9 +87,9 @@ def pod_template(svc: LLMService, role: str, buckets: list[Bucket], config_map: 
         "resources": resources(svc),
         # Startup covers model loading; after it, liveness only asks "is the process alive" and
         # readiness "is it admitting" (false while draining on SIGTERM).
-        "startupProbe": _probe("/health", e.port, 5, max(1, e.startup_seconds // 5)),
-        "livenessProbe": _probe("/health", e.port, 10, 3),
-        "readinessProbe": _probe("/ready", e.port, 2, 2),
+        "startupProbe": probe("/health", e.port, 5, max(1, e.startup_seconds // 5)),
+        "livenessProbe": probe("/health", e.port, 10, 3),
+        "readinessProbe": probe("/ready", e.port, 2, 2),
         "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }

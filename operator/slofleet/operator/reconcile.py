@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from slofleet.api.v1alpha1 import Bucket, LLMService, SLOPolicy
 
-from slofleet.operator import children, status
+from slofleet.operator import children, router, status
 from slofleet.operator.kube import Kube
 
 
@@ -37,12 +37,13 @@ def resolve_buckets(kube: Kube, svc: LLMService, out: Outcome) -> list[Bucket]:
     return SLOPolicy.model_validate(raw).spec.buckets
 
 
-def reconcile(kube: Kube, body: dict) -> Outcome:
+def reconcile(kube: Kube, body: dict, router_cluster_role: str = router.DEFAULT_CLUSTER_ROLE) -> Outcome:
     svc = LLMService.model_validate(body)
     ns, name = svc.metadata["namespace"], svc.metadata["name"]
     out = Outcome()
     inputs = children.Inputs(buckets=resolve_buckets(kube, svc, out),
-                             service_monitor=kube.has_kind("monitoring.coreos.com/v1", "ServiceMonitor"))
+                             service_monitor=kube.has_kind("monitoring.coreos.com/v1", "ServiceMonitor"),
+                             router_cluster_role=router_cluster_role)
     existing = kube.children(ns, name)
     wanted = children.desired(svc, inputs)
     applied: dict[str, dict] = {}

@@ -1,0 +1,82 @@
+"""Pure: the router in front of an LLMService's engines (`slofleet router`): its Deployment, Service, and the
+ServiceAccount + RoleBinding that let it list the engines' EndpointSlices.
+
+The router finds the engines by the labels the operator puts on each role's Service (the EndpointSlice
+controller copies them onto the slices), so scaling a role, a rollout or a role switch needs no router restart.
+Its permissions come from one ClusterRole installed with the operator (manifests/rbac.yaml, the chart), bound
+per service in the service's namespace: the operator only needs `bind` on that ClusterRole, not its rules.
+"""
+from __future__ import annotations
+
+from slofleet.api.v1alpha1 import LLMService
+
+from slofleet.operator.podspec import CONFIG_DIR, DRAIN_SLACK_SECONDS, labels, probe
+
+ROLE = "router"
+DEFAULT_CLUSTER_ROLE = "slofleet-router"
+
+
+def name_of(svc: LLMService) -> str:
+    return f"{svc.metadata['name']}-{ROLE}"
+
+
+def router_labels(svc: LLMService) -> dict[str, str]:
+    return labels(svc.metadata["name"], ROLE, app="slofleet-router")
+
+
+def router_args(svc: LLMService) -> list[str]:
+    r, m = svc.spec.router, svc.metadata
+    return ["--host", "$(POD_IP)", "--port", str(r.port),
+            "--k8s-llmservice", f"{m.get('namespace', 'default')}/{m['name']}", "--k8s-port-name", "http",
+            "--buckets", f"{CONFIG_DIR}/policy.json", "--policy", r.policy,
+            "--prefill-threshold-tokens", str(svc.spec.topology.prefill_threshold_tokens),
+            "--hold-timeout-seconds", str(r.hold_timeout_seconds),
+            # open streams get as long to finish as the engines give theirs
+            "--grace-period", str(svc.spec.engine.drain_seconds)]
+
+
+def pod_template(svc: LLMService, config_map: str, config_hash: str) -> dict:
+    r, e = svc.spec.router, svc.spec.engine
+    container = {
+        "name": ROLE, "image": e.image, "imagePullPolicy": e.image_pull_policy,  # the one image of every role
+        "command": ["slofleet", "router"], "args": router_args(svc),
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "ports": [{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
+        "resources": {"requests": {k: str(v) for k, v in r.resources.requests.items()},
+                      "limits": {k: str(v) for k, v in r.resources.limits.items()}},
+        # Ready as soon as it answers, not when an engine is: with every pool at zero the router must stay in
+        # its Service to hold requests, which is what the autoscaler scales up from zero on.
+        "readinessProbe": probe("/health", r.port, 2, 2),
+        "livenessProbe": probe("/health", r.port, 10, 3),
+        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                            "readOnlyRootFilesystem": True},
+    }
+    return {"metadata": {"labels": router_labels(svc), "annotations": {"slofleet.dev/config-hash": config_hash}},
+            "spec": {"serviceAccountName": name_of(svc), "containers": [container],
+                     "volumes": [{"name": "config", "configMap": {"name": config_map}}],
+                     "terminationGracePeriodSeconds": e.drain_seconds + DRAIN_SLACK_SECONDS,
+                     "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001}}}
+
+
+def children(svc: LLMService, owner: dict, cluster_role: str, config_map: str, config_hash: str) -> list[dict]:
+    """ServiceAccount, RoleBinding, Deployment, Service, each owned by `owner` (an owner reference)."""
+    name, selector = name_of(svc), {"slofleet.dev/service": svc.metadata["name"], "slofleet.dev/role": ROLE}
+
+    def md() -> dict:
+        return {"name": name, "namespace": svc.metadata.get("namespace", "default"), "labels": router_labels(svc),
+                "ownerReferences": [owner]}
+
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": md()},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": md(),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": svc.metadata.get("namespace", "default")}]},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": md(),
+         "spec": {"replicas": svc.spec.router.replicas, "selector": {"matchLabels": selector},
+                  "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                  "template": pod_template(svc, config_map, config_hash)}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": md(),
+         "spec": {"selector": selector,
+                  "ports": [{"name": "http", "port": svc.spec.router.port, "targetPort": "http"}]}},
+    ]
