@@ -42,20 +42,21 @@ class TorchAttention:
         v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
     def _plan(self, meta: AttentionMetadata, device: torch.device) -> dict:
-        """Gather indices and masks shared by all layers of one step."""
+        """Gather indices and masks shared by all layers of one step.
+
+        Context is gathered a whole block at a time (index_select over block ids): copying 16-token runs is
+        tens of times faster than indexing token slots one by one, and the tail past each length is masked.
+        """
         bs = self.block_size
         qlens, slens = meta.query_lens_host, meta.seq_lens_host
         decodes = [i for i, q in enumerate(qlens) if q == 1]
         plan: dict = {"decodes": decodes, "prefills": [i for i, q in enumerate(qlens) if q > 1]}
         if decodes:
-            max_len = max(slens[i] for i in decodes)
-            pos = torch.arange(max_len, device=device)
+            nblk = -(-max(slens[i] for i in decodes) // bs)
             idx = torch.as_tensor(decodes, device=device)
-            tables = meta.block_tables[idx].long()
-            nblk = -(-max_len // bs)
-            slots = (tables[:, :nblk, None] * bs + torch.arange(bs, device=device)).reshape(len(decodes), -1)[:, :max_len]
+            plan["decode_blocks"] = meta.block_tables[idx, :nblk].reshape(-1).long()
             lens = meta.seq_lens[idx].long()
-            plan["decode_slots"] = slots
+            pos = torch.arange(nblk * bs, device=device)
             plan["decode_mask"] = (pos[None, :] < lens[:, None])[:, None, None, :]
             plan["decode_rows"] = meta.query_start_loc[idx].long()
         prefill_info = []
@@ -64,13 +65,17 @@ class TorchAttention:
             if q == L:  # nothing cached before this chunk: plain causal attention on the new K/V
                 prefill_info.append((start, q, None, None))
                 continue
-            table = meta.block_tables[i, : -(-L // bs)].long()
-            slots = (table[:, None] * bs + torch.arange(bs, device=device)).reshape(-1)[:L]
+            blocks = meta.block_tables[i, : -(-L // bs)].long()
             qpos = torch.arange(L - q, L, device=device)
-            mask = torch.arange(L, device=device)[None, :] <= qpos[:, None]
-            prefill_info.append((start, q, slots, mask))
+            mask = torch.arange(len(blocks) * bs, device=device)[None, :] <= qpos[:, None]
+            prefill_info.append((start, q, blocks, mask))
         plan["prefill_info"] = prefill_info
         return plan
+
+    @staticmethod
+    def gather(cache: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
+        """[rows, blocks_per_row * block_size, kv_heads, dim] from whole blocks."""
+        return cache.index_select(0, blocks).view(rows, -1, cache.shape[2], cache.shape[3])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -78,25 +83,23 @@ class TorchAttention:
         if meta.cache is None:
             meta.cache = self._plan(meta, q.device)
         plan = meta.cache
-        kvh, d = k.shape[1], k.shape[2]
-        kc, vc = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
         out = torch.empty_like(q)
         if plan["decodes"]:
-            rows = plan["decode_rows"]
-            slots = plan["decode_slots"]
-            kk = kc[slots].transpose(1, 2)  # [B, kvh, L, d]
-            vv = vc[slots].transpose(1, 2)
+            rows, blocks, n = plan["decode_rows"], plan["decode_blocks"], len(plan["decodes"])
+            kk = self.gather(k_cache, blocks, n).transpose(1, 2)  # [B, kvh, L, d]
+            vv = self.gather(v_cache, blocks, n).transpose(1, 2)
             qq = q[rows].unsqueeze(2)  # [B, h, 1, d]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=plan["decode_mask"], scale=scale,
                                                enable_gqa=True)
             out[rows] = o.squeeze(2)
-        for start, n, slots, mask in plan["prefill_info"]:
+        for start, n, blocks, mask in plan["prefill_info"]:
             qq = q[start:start + n].transpose(0, 1)
-            if slots is None:
+            if blocks is None:
                 kk, vv = k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                kk, vv = kc[slots].transpose(0, 1), vc[slots].transpose(0, 1)
+                kk = self.gather(k_cache, blocks, 1)[0].transpose(0, 1)
+                vv = self.gather(v_cache, blocks, 1)[0].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:start + n] = o.transpose(0, 1)
         return out
