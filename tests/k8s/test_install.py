@@ -16,11 +16,17 @@ def test_helm_lint_and_template_are_clean(cluster):
     assert "0 chart(s) failed" in lint.stdout and "[WARNING]" not in lint.stdout, lint.stdout
     out = cluster.helm("template", "slofleet", CHART, "--namespace", NS, "--include-crds").stdout
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
-    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                     "CustomResourceDefinition", "Deployment", "Service", "ServiceAccount"]  # the 2nd role: routers'
-    args = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment")[
-        "spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--router-cluster-role=slofleet-router" in args
+    # ClusterRoles: the operator's, the routers', the autoscaler's
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
+                     "CustomResourceDefinition", "CustomResourceDefinition", "Deployment", "Deployment", "Service",
+                     "ServiceAccount", "ServiceAccount"]
+    deployments = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+                   for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"}
+    assert "--router-cluster-role=slofleet-router" in deployments["slofleet-operator"]["args"]
+    assert deployments["slofleet-autoscaler"]["command"] == ["slofleet", "autoscaler"]
+    assert deployments["slofleet-autoscaler"]["args"] == ["--kubernetes", "--cold-start=90"]
+    off = cluster.helm("template", "slofleet", CHART, "--set", "autoscaler.enabled=false").stdout
+    assert "slofleet-autoscaler" not in off
     too_many = cluster.helm("template", "x", CHART, "--set", "operator.replicas=2", check=False)
     assert too_many.returncode and "operator.replicas > 1 needs operator.peering: true" in too_many.stderr
 
@@ -43,6 +49,13 @@ def _operator_is_least_privilege(cluster, role: str) -> None:
                        "verbs": ["get", "list", "watch"]}]
 
 
+def _autoscaler_is_least_privilege(cluster, role: str) -> None:
+    # It reads services and pods and writes only its status entry and Events: never a Deployment.
+    writes = {(g, res) for r in cluster.get("clusterrole", role)["rules"] for g in r["apiGroups"]
+              for res in r["resources"] if set(r["verbs"]) - {"get", "list", "watch"}}
+    assert writes == {("slofleet.dev", "llmservices/status"), ("", "events")}
+
+
 def test_kubectl_apply_k_manifests(crds):
     t0 = time.monotonic()
     crds.kubectl("apply", "-k", str(REPO / "manifests"))
@@ -53,10 +66,15 @@ def test_kubectl_apply_k_manifests(crds):
     assert "--standalone" in pod["containers"][0]["args"]
     assert crds.get("clusterrolebinding", "slofleet-operator")["subjects"][0]["namespace"] == NS
     _operator_is_least_privilege(crds, "slofleet-operator")
+    scaler = crds.get("deployment", "slofleet-autoscaler", NS)["spec"]["template"]["spec"]
+    assert scaler["serviceAccountName"] == "slofleet-autoscaler"
+    assert scaler["containers"][0]["args"] == ["--kubernetes"]
+    _autoscaler_is_least_privilege(crds, "slofleet-autoscaler")
     # The namespace enforces the restricted pod security standard, so a pod got created at all only if the
     # operator's pod spec meets it.
     if crds.local:
         wait_until("the operator pod", lambda: crds.items("pods", NS, "app.kubernetes.io/name=slofleet-operator"))
+        wait_until("the autoscaler pod", lambda: crds.items("pods", NS, "app.kubernetes.io/name=slofleet-autoscaler"))
     crds.kubectl("delete", "-k", str(REPO / "manifests"), "--wait=true", "--timeout=120s")
     apply_crds(crds)  # deleting the install removed the CRDs the other tests use
     log(f"phase kubectl apply -k manifests + delete: {time.monotonic() - t0:.1f}s")
@@ -69,9 +87,12 @@ def test_helm_install_and_uninstall(crds):
     dep = crds.get("deployment", "slofleet-operator", "slofleet-helm")
     assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "slofleet/engine:0.1.0"
     _operator_is_least_privilege(crds, "slofleet-operator")
+    assert crds.get("deployment", "slofleet-autoscaler", "slofleet-helm") is not None
+    _autoscaler_is_least_privilege(crds, "slofleet-autoscaler")
     crds.helm("uninstall", "slofleet", "--namespace", "slofleet-helm", "--wait", "--timeout", "120s")
     assert crds.get("deployment", "slofleet-operator", "slofleet-helm") is None
     assert crds.get("clusterrole", "slofleet-operator") is None
+    assert crds.get("deployment", "slofleet-autoscaler", "slofleet-helm") is None
     # `helm uninstall --wait` waits for what the release created; the operator's pod is removed after that by
     # the garbage collector and the node's graceful termination, so it may still be terminating here.
     wait_until("the release's pods to go", lambda: not crds.items("all", "slofleet-helm",
