@@ -10,9 +10,10 @@ import numpy as np
 from slofleet.autoscaler import cli, simulate_cli, traces
 
 
-def test_the_autoscaler_never_imports_torch():
-    code = ("import sys, slofleet.autoscaler.cli, slofleet.autoscaler.simulate_cli, slofleet.autoscaler.sim; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+def test_the_autoscaler_never_imports_torch_nor_the_operator():
+    code = ("import sys, slofleet.autoscaler.cli, slofleet.autoscaler.simulate_cli, slofleet.autoscaler.sim, "
+            "slofleet.autoscaler.kubemode; "
+            "bad = [m for m in ('torch', 'kopf', 'slofleet.operator') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
