@@ -66,7 +66,8 @@ class _GGUFNames:
 def convert_gguf(gguf: Path) -> Path:
     """Dequantise a GGUF file into a cached Hugging Face directory (once per file)."""
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    # v2: config.json names its architecture, which other tools (transformers serve) need to load the folder
+    key = hashlib.sha256(f"v2:{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (out / "model.safetensors").exists():
         return out
@@ -77,6 +78,8 @@ def convert_gguf(gguf: Path) -> Path:
     t0 = time.monotonic()
     log.info("converting %s (first start only; cached in %s)", gguf.name, out)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not config.architectures:
+        config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=_GGUFNames(config))["tensors"]
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
