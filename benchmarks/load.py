@@ -58,6 +58,12 @@ async def run_rate(url: str, model: str, rate: float, duration: float, seed: int
         return await asyncio.gather(*tasks)
 
 
+async def warm_up(url: str, model: str, ignore_eos: bool) -> None:
+    # transformers serve loads its model on the first request: keep that out of the measured TTFTs
+    async with httpx.AsyncClient(timeout=600) as client:
+        await stream_one(client, url, BUCKETS[0].body(model, random.Random(1)), "chat", send_ignore_eos=ignore_eos)
+
+
 def report(system: str, rate: float, results: list[Result]) -> dict:
     rows = {}
     for b in BUCKETS:
@@ -66,10 +72,11 @@ def report(system: str, rate: float, results: list[Result]) -> dict:
         met = [r for r in ok if r.ttft <= b.ttft_slo and r.tpot <= b.tpot_slo]
         rows[b.name] = dict(n=len(rs), ttft50=percentile([r.ttft for r in ok], 50),
                             ttft95=percentile([r.ttft for r in ok], 95), tpot50=percentile([r.tpot for r in ok], 50),
-                            tpot95=percentile([r.tpot for r in ok], 95), slo=len(met) / max(1, len(rs)))
+                            tpot95=percentile([r.tpot for r in ok], 95), slo=len(met) / max(1, len(rs)),
+                            tokens=sum(r.tokens for r in ok) / max(1, len(ok)))
         r = rows[b.name]
         print(f"{system:18s} {rate:5.2f} {b.name:12s} {r['n']:4d} {r['ttft50']:8.2f} {r['ttft95']:8.2f} "
-              f"{r['tpot50'] * 1000:8.0f} {r['tpot95'] * 1000:8.0f} {r['slo'] * 100:6.0f}%", flush=True)
+              f"{r['tpot50'] * 1000:8.0f} {r['tpot95'] * 1000:8.0f} {r['slo'] * 100:6.0f}% {r['tokens']:6.0f}", flush=True)
     return rows
 
 
@@ -94,10 +101,11 @@ def main() -> int:
     print(f"SLOs: " + ", ".join(f"{b.name} TTFT<={b.ttft_slo}s TPOT<={b.tpot_slo * 1000:.0f}ms ({b.share:.0%})"
                                 for b in BUCKETS))
     print(f"{'system':18s} {'rate':>5s} {'bucket':12s} {'n':>4s} {'TTFT50':>8s} {'TTFT95':>8s} {'TPOT50ms':>8s} "
-          f"{'TPOT95ms':>8s} {'SLO':>7s}")
+          f"{'TPOT95ms':>8s} {'SLO':>7s} {'outtok':>6s}")
     for name, cmd, url, ready, model, ignore_eos in systems:
         proc = start(cmd, url, logs / f"load-{name.replace(' ', '_')}.log", ready)
         try:
+            asyncio.run(warm_up(url, model, ignore_eos))
             for rate in args.rates:
                 report(name, rate, asyncio.run(run_rate(url, model, rate, args.duration, 0, ignore_eos)))
         finally:
