@@ -58,7 +58,8 @@ class TorchAttention:
             lens = meta.seq_lens[idx].long()
             pos = torch.arange(nblk * bs, device=device)
             plan["decode_mask"] = (pos[None, :] < lens[:, None])[:, None, None, :]
-            plan["decode_rows"] = meta.query_start_loc[idx].long()
+            # A step of decodes only (the common case) reads q and writes out whole, with no row indexing.
+            plan["decode_rows"] = None if len(decodes) == len(qlens) else meta.query_start_loc[idx].long()
         prefill_info = []
         for i in plan["prefills"]:
             start, q, L = int(meta.query_start_loc[i]), qlens[i], slens[i]
@@ -88,10 +89,12 @@ class TorchAttention:
             rows, blocks, n = plan["decode_rows"], plan["decode_blocks"], len(plan["decodes"])
             kk = self.gather(k_cache, blocks, n).transpose(1, 2)  # [B, kvh, L, d]
             vv = self.gather(v_cache, blocks, n).transpose(1, 2)
-            qq = q[rows].unsqueeze(2)  # [B, h, 1, d]
+            qq = (q if rows is None else q[rows]).unsqueeze(2)  # [B, h, 1, d]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=plan["decode_mask"], scale=scale,
-                                               enable_gqa=True)
-            out[rows] = o.squeeze(2)
+                                               enable_gqa=True).squeeze(2)
+            if rows is None:
+                return o
+            out[rows] = o
         for start, n, blocks, mask in plan["prefill_info"]:
             qq = q[start:start + n].transpose(0, 1)
             if blocks is None:

@@ -116,7 +116,7 @@ class DecoderLayer(nn.Module):
         o = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         x = x + dense(o.reshape(-1, nq), self.o_proj)
         gate, up = dense(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
-        return x + dense(nn.functional.silu(gate) * up, self.down_proj)
+        return x + dense(nn.functional.silu(gate).mul_(up), self.down_proj)
 
 
 class CausalLM(nn.Module):
