@@ -64,7 +64,9 @@ def fit(engine: LLMEngine, rng: random.Random) -> tuple[list[float], float]:
     print(f"fit: {len(rows)} steps timed", flush=True)
     x = np.array([(1.0, p, d, k) for p, d, k, _ in rows])
     y = np.array([t for *_, t in rows])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    # Relative error is what the simulator's TTFT/TPOT care about: weight each step by 1/time, or the few
+    # long prefill steps decide the fit and the short decode steps (TPOT) come out far off.
+    coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
     coef = np.maximum(coef, 0.0)  # a negative cost is fit noise, not physics
     rel = np.abs(x @ coef - y) / y
     return [float(c) for c in coef], float(np.median(rel))
