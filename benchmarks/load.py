@@ -86,12 +86,15 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=60, help="seconds of arrivals per rate")
     ap.add_argument("--transformers-serve", action="store_true", help="also run transformers serve --continuous-batching")
     ap.add_argument("--port", type=int, default=8100)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256,
+                    help="slofleet's step budget: a smaller one bounds how long a chat waits behind a document chunk")
     args = ap.parse_args()
     from slofleet.engine import loader
     path = loader.resolve("default")
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     systems = [("slofleet", [sys.executable, "-m", "slofleet.cli", "serve", "--port", str(args.port),
-                             "--bucket-priorities", "chat=0,long-output=1,doc=2"],
+                             "--bucket-priorities", "chat=0,long-output=1,doc=2",
+                             "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
                 f"http://127.0.0.1:{args.port}", "/ready", "SmolLM2-135M-Instruct", True)]
     if args.transformers_serve:
         cli = str(Path(sys.executable).with_name("transformers"))

@@ -2,8 +2,8 @@
 
 B_{t+1} = (B_t minus finished) plus admitted. Decodes are served first (one token each), then prompt work
 (chunks of running prefills and new admissions) in (priority, deadline, arrival) order while budget,
-sequence slots and blocks last; a prompt larger than the remaining budget is prefilled in chunks. When the
-KV pool runs short the lowest-priority running request is preempted (blocks freed, recomputed later).
+sequence slots and blocks last, never mixing prompt work of two priorities in one step; a prompt larger
+than the remaining budget is prefilled in chunks. When the KV pool runs short the lowest-priority running request is preempted (blocks freed, recomputed later).
 """
 from __future__ import annotations
 
@@ -147,14 +147,19 @@ class Scheduler:
 
         # 2. Prompt work — chunks of running prefills and new admissions — in one (priority, deadline,
         # arrival) order, so a chat arriving during a long document's prefill goes ahead of its next chunk.
+        # A step's length is what its most urgent prompt waits for, so prompt work of a less urgent priority
+        # never shares a step with it: a chat's prefill is not stretched by a document's next chunk.
         partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        urgent: int | None = None
         for req in sorted(partial + self.waiting, key=Request.sort_key):
-            if budget == 0:
+            if budget == 0 or (urgent is not None and req.priority > urgent):
                 break
             if req.status is Status.RUNNING:
                 if req in self.running:
                     num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-                    budget -= num_new if self._reserve(req, num_new, out, scheduled) else 0
+                    if self._reserve(req, num_new, out, scheduled):
+                        budget -= num_new
+                        urgent = req.priority
                 continue
             # No admissions in a step that had to preempt: the pool is already short.
             if out.preempted or len(self.running) >= self.config.max_num_seqs:
@@ -163,4 +168,5 @@ class Scheduler:
             if not admitted:
                 break  # head of line: a lower-priority request must not take the blocks it waits for
             budget -= admitted
+            urgent = req.priority
         return out
