@@ -67,6 +67,7 @@ class StandIn:
 
     def __init__(self, delay: float = 0.0, port: int | None = None):
         self.delay, self.status, self.crash = delay, 200, False
+        self.probe_delay = 0.0  # seconds /ready takes to answer: a busy engine
         self.received: list[dict] = []
         self.aborted = 0
         self.port = port or free_port()
@@ -83,6 +84,8 @@ class StandIn:
             return
         path = scope["path"]
         if path in ("/ready", "/health", "/metrics"):
+            if path == "/ready" and self.probe_delay:
+                await asyncio.sleep(self.probe_delay)
             body = b"vllm:num_requests_waiting 0.0\n" if path == "/metrics" else b"ok"
             await send({"type": "http.response.start", "status": 200, "headers": []})
             return await send({"type": "http.response.body", "body": body})

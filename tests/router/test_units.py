@@ -1,12 +1,15 @@
-"""Router pieces without a server: classification, admission, quotas, keys, discovery, balancing."""
+"""Router pieces without the proxy: classification, admission, quotas, keys, discovery, balancing, probes."""
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
 import pytest
 
 from slofleet.router.balancer import Balancer, Ring, prefix_key
 from slofleet.router.buckets import Admission, Classifier, load_buckets, parse_buckets
 from slofleet.router.gateway import GatewayError, KeyStore, Quotas, parse_keys
-from slofleet.router.replicas import Replica, endpoints_from_slices, parse_load
+from slofleet.router.replicas import Replica, ReplicaSet, endpoints_from_slices, parse_load
 
 SERVICE = """
 apiVersion: slofleet.dev/v1alpha1
@@ -184,3 +187,30 @@ def test_kubernetes_lister_with_a_fake_api(monkeypatch):
     assert [r.role for r in rs.replicas.values()] == ["decode", "prefill"]
     rs.replicas["http://10.0.0.2:8000"].ready = True
     assert [r.url for r in rs.ready(("prefill",))] == ["http://10.0.0.2:8000"]
+
+
+def test_a_slow_probe_is_not_a_dead_replica_but_a_refused_one_is():
+    from .helpers import StandIn
+
+    standin = StandIn()
+
+    async def scenario() -> None:
+        rs = ReplicaSet(static={standin.url: "unified"})
+        r = rs.replicas[standin.url]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as client:
+            await rs.probe(client, r)
+            assert r.ready
+            standin.probe_delay = 1.0  # busy: /ready answers after the probe's timeout
+            for _ in range(rs.slow_limit - 1):
+                await rs.probe(client, r)
+                assert r.ready  # late answers alone do not take it out...
+            await rs.probe(client, r)
+            assert not r.ready  # ...until slow_limit of them in a row
+            standin.probe_delay = 0.0
+            await rs.probe(client, r)
+            assert r.ready and r.slow_probes == 0
+            standin.stop()
+            await rs.probe(client, r)
+            assert not r.ready  # a refused connection takes it out at once
+
+    asyncio.run(scenario())

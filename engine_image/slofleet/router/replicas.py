@@ -5,9 +5,10 @@ Each replica has a role (unified, prefill or decode, as `slofleet serve --role`)
 with, or from the `slofleet.dev/role` label the operator puts on each role's Service, which the EndpointSlice
 controller copies onto the Service's slices.
 
-A replica serves traffic only while its /ready answers 200. One failed probe or one refused connection while
-proxying takes it out at once (so a dead pod stops getting requests within one probe interval); it comes back on
-its next successful probe."""
+A replica serves traffic only while its /ready answers 200. A not-ready answer, a refused connection on a probe,
+or a refused connection while proxying takes it out at once (so a dead pod stops getting requests within one
+probe interval); probes that time out take it out only after a few in a row, since a busy engine answers late.
+It comes back on its next successful probe."""
 from __future__ import annotations
 
 import asyncio
@@ -35,6 +36,7 @@ class Replica:
     waiting: float = 0.0  # from the engine's /metrics
     running: float = 0.0
     kv_usage: float = 0.0
+    slow_probes: int = 0  # consecutive probes that timed out
 
     def load(self) -> float:
         """Requests on the replica: what this router sent, or what the engine reports when other routers
@@ -123,6 +125,9 @@ class ReplicaSet:
     lister: Callable[[], dict[str, str]] | None = None  # blocking; run in a thread
     interval: float = 1.0
     timeout: float = 1.0
+    # A busy engine can answer a probe late (a long prefill step, a large KV import) without being dead; only
+    # this many timeouts in a row take it out. A refused connection or a not-ready answer still does at once.
+    slow_limit: int = 3
     replicas: dict[str, Replica] = field(default_factory=dict)
     on_change: Callable[[list[str]], None] | None = None
     # Set (and replaced) each time a replica turns ready: requests held while none was ready wait on it.
@@ -158,10 +163,14 @@ class ReplicaSet:
                 async with client.get(r.url + "/metrics") as resp:
                     for attr, value in parse_load(await resp.text()).items():
                         setattr(r, attr, value)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except asyncio.TimeoutError:
+            r.slow_probes += 1
+            ready, why = r.ready and r.slow_probes < self.slow_limit, f"{r.slow_probes} probes timed out in a row"
+        except (aiohttp.ClientError, OSError) as e:
             ready, why = False, f"{type(e).__name__}: {e}"
         else:
             why = "not ready"
+            r.slow_probes = 0
         if not ready:
             self.mark_failed(r, why)
         elif not r.ready:
