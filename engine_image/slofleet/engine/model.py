@@ -74,7 +74,8 @@ def dense(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     plain product wins again."""
     if x.shape[0] > 32 or x.device.type != "cpu":
         return nn.functional.linear(x, layer.weight, layer.bias)
-    y = (layer.weight @ x.T).T
+    # Row-major like F.linear's result: kernels downstream assume a contiguous last dimension.
+    y = (layer.weight @ x.T).T.contiguous()
     return y if layer.bias is None else y + layer.bias
 
 
