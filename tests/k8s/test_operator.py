@@ -58,6 +58,9 @@ def operator(crds, namespace):
     op = Operator(crds, namespace)
     op.start()
     yield op
+    # Delete what the test left while the operator still runs to lift kopf's finalizer: a resource stuck on it
+    # holds its namespace open and, later, any deletion of the CRD (test_install's `kubectl delete -k`).
+    crds.kubectl("delete", "llms", "--all", "-n", namespace, "--wait=true", "--timeout=60s", check=False)
     op.close()
 
 
