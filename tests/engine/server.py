@@ -1,12 +1,14 @@
 """Start a real `slofleet serve` process on a free loopback port for API tests."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,6 +22,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_http(proc: subprocess.Popen, url: str, log: Path, timeout: float, what: str, pause: float = 0.3) -> None:
+    """Poll `url` until it answers 200; fail at once with the log's tail if the process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(pause)
+    raise TimeoutError(f"{what} not ready in {timeout}s:\n{log.read_text()[-3000:]}")
+
+
 class Server:
     def __init__(self, *flags: str, log: Path):
         self.port = free_port()
@@ -30,17 +47,7 @@ class Server:
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_ready(self, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log.read_text()[-3000:]}")
+        wait_http(self.proc, self.url + "/ready", self.log, timeout, "server")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:
@@ -61,3 +68,17 @@ class Server:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
                 out[f"{s.name}{{{labels}}}"] = s.value
         return out
+
+
+@contextlib.contextmanager
+def prefill_decode_pair(folder: Path, *flags: str) -> Iterator[tuple[Server, Server]]:
+    """A prefill and a decode engine process, both ready; stopped on exit."""
+    pre = Server("--role", "prefill", *flags, log=folder / "prefill.log")
+    dec = Server("--role", "decode", *flags, log=folder / "decode.log")
+    try:
+        pre.wait_ready()
+        dec.wait_ready()
+        yield pre, dec
+    finally:
+        pre.stop()
+        dec.stop()

@@ -10,24 +10,15 @@ import pytest
 
 from slofleet.engine.kv_transfer import KVPayload
 
-from .server import Server
+from .server import prefill_decode_pair
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pd")
-    flags = ("--num-blocks", "128")
-    pre = Server("--role", "prefill", *flags, log=d / "prefill.log")
-    dec = Server("--role", "decode", *flags, log=d / "decode.log")
-    try:
-        pre.wait_ready()
-        dec.wait_ready()
-        yield pre, dec
-    finally:
-        pre.stop()
-        dec.stop()
+    with prefill_decode_pair(tmp_path_factory.mktemp("pd"), "--num-blocks", "128") as engines:
+        yield engines
 
 
 def test_disaggregated_equals_unified(pair):

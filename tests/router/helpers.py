@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from tests.engine.server import ROOT, free_port
+from tests.engine.server import ROOT, free_port, wait_http
 
 
 class RouterProc:
@@ -29,18 +29,12 @@ class RouterProc:
 
     def wait_ready(self, timeout: float = 60, path: str = "/ready") -> "RouterProc":
         """Ready = it answers and sees at least one ready replica (path /health: it answers)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + path, timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"router not ready in {timeout}s:\n{self.log.read_text()[-3000:]}")
+        try:
+            wait_http(self.proc, self.url + path, self.log, timeout, "router", pause=0.1)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.server import Server
+from tests.engine.server import prefill_decode_pair
 
 from .helpers import RouterProc, StandIn
 from .test_engines import DOC, ENGINE_FLAGS, MODEL
@@ -23,16 +23,8 @@ SHORT = [{"role": "user", "content": "Say hi"}]
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pd-engines")
-    pre = Server("--role", "prefill", *ENGINE_FLAGS, log=d / "prefill.log")
-    dec = Server("--role", "decode", *ENGINE_FLAGS, log=d / "decode.log")
-    try:
-        pre.wait_ready()
-        dec.wait_ready()
-        yield pre, dec
-    finally:
-        pre.stop()
-        dec.stop()
+    with prefill_decode_pair(tmp_path_factory.mktemp("pd-engines"), *ENGINE_FLAGS) as engines:
+        yield engines
 
 
 def router_for(tmp_path, prefill: str, decode: str) -> RouterProc:

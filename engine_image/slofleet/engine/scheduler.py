@@ -3,7 +3,8 @@
 B_{t+1} = (B_t minus finished) plus admitted. Decodes are served first (one token each), then prompt work
 (chunks of running prefills and new admissions) in (priority, deadline, arrival) order while budget,
 sequence slots and blocks last, never mixing prompt work of two priorities in one step; a prompt larger
-than the remaining budget is prefilled in chunks. When the KV pool runs short the lowest-priority running request is preempted (blocks freed, recomputed later).
+than the remaining budget is prefilled in chunks. When the KV pool runs short the lowest-priority running
+request is preempted (blocks freed, recomputed later).
 """
 from __future__ import annotations
 
