@@ -54,7 +54,8 @@ def handed_off(router: str) -> int:
 
 
 def run_mode(mode: str, args: argparse.Namespace, logs: Path) -> tuple[list[Result], int]:
-    engine = ["serve", "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--num-threads", str(args.threads)]
+    engine = ["serve", "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--num-threads", str(args.threads),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     roles = ["unified"] * args.engines if mode == "round-robin" else ["prefill"] + ["decode"] * (args.engines - 1)
     procs, flags = [], []
     try:
@@ -90,8 +91,11 @@ def main() -> int:
     p.add_argument("--threshold", type=int, default=512, help="--prefill-threshold-tokens of the router")
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine (engines share the cores)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=8,
+    p.add_argument("--max-num-seqs", type=int, default=64,
                    help="per engine; in disaggregated mode the decode engines also hold every document's decode")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="per engine step: large chunks prefill documents efficiently, but a unified engine's chats "
+                        "then wait behind a whole document chunk")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="round-robin,disaggregated")
     p.add_argument("--logs", default="/tmp/router_mixed")
