@@ -6,7 +6,7 @@ prefill engine and `--engines - 1` decode engines behind `--policy prefix`, so d
 from the replicas that stream the chats. Prints chat and document TTFT P50/P95 per mode side by side, and chat
 TTFT SLO attainment.
 
-    .venv/bin/python benchmarks/router_mixed.py --engines 3 --duration 120 --rate 1.0
+    .venv/bin/python benchmarks/router_mixed.py --engines 2 --rate 0.7 --doc-share 0.3 --duration 180
 """
 from __future__ import annotations
 
