@@ -71,11 +71,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def dense(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """x @ W.T (+ b). For the few rows of a decode step on the CPU, MKL's sgemm runs W @ x.T about twice as
     fast as x @ W.T (it streams the weight once instead of re-reading it per row block); past ~32 rows the
-    plain product wins again."""
+    plain product wins again. The result is then a column-major view: element-wise ops take it as it is, and a
+    caller that hands it to a kernel or a view that needs a contiguous last dimension copies it (`.contiguous()`,
+    free on the row-major path)."""
     if x.shape[0] > 32 or x.device.type != "cpu":
         return nn.functional.linear(x, layer.weight, layer.bias)
-    # Row-major like F.linear's result: kernels downstream assume a contiguous last dimension.
-    y = (layer.weight @ x.T).T.contiguous()
+    y = (layer.weight @ x.T).T
     return y if layer.bias is None else y + layer.bias
 
 
@@ -109,7 +110,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         hd, nq = self.head_dim, self.n_heads * self.head_dim
-        qkv = dense(self.input_layernorm(x), self.qkv_proj)
+        qkv = dense(self.input_layernorm(x), self.qkv_proj).contiguous()  # V goes to the KV-store kernel
         # q and k rotate together: one pass over both instead of two
         qk = rotate(qkv[:, :nq + self.n_kv * hd].reshape(-1, self.n_heads + self.n_kv, hd), cos, sin)
         q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
@@ -142,7 +143,7 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.at(positions)
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kc, vc, meta)
-        return dense(self.norm(x[logits_indices]), self.lm_head).float()
+        return dense(self.norm(x[logits_indices]), self.lm_head).float().contiguous()
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Fill the fused parameters from Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...)."""
