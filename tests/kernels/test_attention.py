@@ -132,3 +132,27 @@ def test_padding_rows_are_inert(splits):
     assert torch.isfinite(out).all() and (out[1] == 0).all()
     assert (kc.view(-1, 2, 32)[meta.slot_mapping[0]] == k[0]).all()
     assert (kc.view(-1, 2, 32).ne(k_cache.view(-1, 2, 32)).any(-1).any(-1)).sum() == 1
+
+
+@pytest.mark.parametrize("spans", [
+    [(1, 300), (1, 20), (1, 250), (1, 35), (1, 40), (1, 280)],  # spread lengths: the decodes form two groups
+    [(1, 90), (1, 80), (1, 100), (1, 85)],  # close lengths: one group
+    [(1, 300), (7, 60), (1, 20), (1, 310), (1, 15)],  # grouped decodes around a prefill chunk
+])
+def test_torch_oracle_matches_dense_attention(spans):
+    """The oracle itself, against plain causal attention over each sequence's whole context, gathered slot by slot."""
+    block_size, heads, kv_heads, dim = 16, 6, 2, 32
+    meta, k_cache, v_cache = make_batch(spans, block_size, kv_heads, dim, torch.float32, seed=len(spans))
+    total = sum(q for q, _ in spans)
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    q, k, v = (torch.randn((total, n, dim), generator=gen).to(DEVICE) for n in (heads, kv_heads, kv_heads))
+    out = TorchAttention(block_size).forward(q, k, v, k_cache, v_cache, meta, 0.3)
+    tables, starts = meta.block_tables.tolist(), meta.query_start_loc.tolist()
+    for i, (n, s) in enumerate(spans):
+        slots = torch.tensor([tables[i][p // block_size] * block_size + p % block_size for p in range(s)], device=DEVICE)
+        kk = k_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1)
+        vv = v_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1)
+        mask = torch.arange(s, device=DEVICE)[None, :] <= torch.arange(s - n, s, device=DEVICE)[:, None]
+        qq = q[starts[i]:starts[i] + n].transpose(0, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(out[starts[i]:starts[i] + n], ref.transpose(0, 1), atol=1e-5, rtol=1e-5)

@@ -50,16 +50,9 @@ class TorchAttention:
         bs = self.block_size
         qlens, slens = meta.query_lens_host, meta.seq_lens_host
         decodes = [i for i, q in enumerate(qlens) if q == 1]
-        plan: dict = {"decodes": decodes, "prefills": [i for i, q in enumerate(qlens) if q > 1]}
+        plan: dict = {"prefills": [i for i, q in enumerate(qlens) if q > 1]}
         if decodes:
-            nblk = -(-max(slens[i] for i in decodes) // bs)
-            idx = torch.as_tensor(decodes, device=device)
-            plan["decode_blocks"] = meta.block_tables[idx, :nblk].reshape(-1).long()
-            lens = meta.seq_lens[idx].long()
-            pos = torch.arange(nblk * bs, device=device)
-            plan["decode_mask"] = (pos[None, :] < lens[:, None])[:, None, None, :]
-            # A step of decodes only (the common case) reads q and writes out whole, with no row indexing.
-            plan["decode_rows"] = None if len(decodes) == len(qlens) else meta.query_start_loc[idx].long()
+            plan["decode_groups"] = self._decode_groups(meta, decodes, len(qlens), device)
         prefill_info = []
         for i in plan["prefills"]:
             start, q, L = int(meta.query_start_loc[i]), qlens[i], slens[i]
@@ -73,6 +66,27 @@ class TorchAttention:
         plan["prefill_info"] = prefill_info
         return plan
 
+    def _decode_groups(self, meta: AttentionMetadata, decodes: list[int], batch: int, device: torch.device) -> list:
+        """(rows, blocks, mask, n) per group of decodes. Each decode of a group reads as many blocks as the group's
+        longest context; when lengths spread widely, the shorter half goes in a group of its own, since the padding
+        it saves (a quarter or more of the blocks read) costs more than a second attention call."""
+        bs, slens = self.block_size, meta.seq_lens_host
+        groups = [decodes]  # in batch order: a lone group of every row is returned as it is
+        order = sorted(decodes, key=lambda i: slens[i])
+        half = len(order) // 2
+        if half >= 2 and 4 * half * (slens[order[-1]] - slens[order[half - 1]]) >= len(order) * slens[order[-1]]:
+            groups = [order[:half], order[half:]]
+        out = []
+        for g in groups:
+            nblk = -(-max(slens[i] for i in g) // bs)
+            idx = torch.as_tensor(g, device=device)
+            blocks = meta.block_tables[idx, :nblk].reshape(-1).long()
+            pos = torch.arange(nblk * bs, device=device)
+            mask = (pos[None, :] < meta.seq_lens[idx].long()[:, None])[:, None, None, :]
+            rows = None if len(g) == batch else meta.query_start_loc[idx].long()
+            out.append((rows, blocks, mask, len(g)))
+        return out
+
     @staticmethod
     def gather(cache: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
         """[rows, blocks_per_row * block_size, kv_heads, dim] from whole blocks."""
@@ -85,13 +99,11 @@ class TorchAttention:
             meta.cache = self._plan(meta, q.device)
         plan = meta.cache
         out = torch.empty_like(q)
-        if plan["decodes"]:
-            rows, blocks, n = plan["decode_rows"], plan["decode_blocks"], len(plan["decodes"])
+        for rows, blocks, mask, n in plan.get("decode_groups", ()):
             kk = self.gather(k_cache, blocks, n).transpose(1, 2)  # [B, kvh, L, d]
             vv = self.gather(v_cache, blocks, n).transpose(1, 2)
             qq = (q if rows is None else q[rows]).unsqueeze(2)  # [B, h, 1, d]
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=plan["decode_mask"], scale=scale,
-                                               enable_gqa=True).squeeze(2)
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
             if rows is None:
                 return o
             out[rows] = o
