@@ -1,9 +1,9 @@
 """Engine CPU benchmark: one fixed workload through transformers and slofleet, printed side by side.
 
 Workload: 16 chat prompts of 20-300 words through the chat template, 32 output tokens each, greedy,
-fixed length (EOS ignored). Each system runs it --runs times; the table shows the median tokens/s and
-the ratio to transformers generate_batch(). llama.cpp (llama-cpp-python, sequential, on the same GGUF)
-is included when installed.
+fixed length (EOS ignored). Each system runs it --runs times, in rounds of one run per system; the table
+shows the median tokens/s and the ratio to transformers generate_batch(). llama.cpp (llama-cpp-python,
+sequential, on the same GGUF) is included when installed.
 
     .venv/bin/python benchmarks/engine_cpu.py [--runs 3] [--skip generate]
 """
@@ -130,14 +130,16 @@ def main() -> int:
         except ImportError:
             log("llama-cpp-python not installed: llama.cpp row skipped")
 
-    results = {}
-    for name, fn in systems:
+    for _, fn in systems:
         fn()  # warm-up, not timed
-        rates = []
-        for i in range(args.runs):
-            rates.append(timed(fn))
-            log(f"{name}: run {i + 1}/{args.runs}: {rates[-1]:.1f} tok/s")
-        results[name] = statistics.median(rates)
+    # Rounds of one run per system rather than all runs of one system in a row: this machine's speed drifts over
+    # minutes, and a drift should move every system's figure alike instead of favouring the one that ran last.
+    rates: dict[str, list[float]] = {name: [] for name, _ in systems}
+    for i in range(args.runs):
+        for name, fn in systems:
+            rates[name].append(timed(fn))
+            log(f"{name}: run {i + 1}/{args.runs}: {rates[name][-1]:.1f} tok/s")
+    results = {name: statistics.median(r) for name, r in rates.items()}
     print(versions())
     base = results.get("transformers generate_batch(), fp32")
     print(f"{'system':45s} {'tok/s (median)':>15s} {'x generate_batch':>17s}")
