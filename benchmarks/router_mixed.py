@@ -54,8 +54,8 @@ def handed_off(router: str) -> int:
 
 
 def run_mode(mode: str, args: argparse.Namespace, logs: Path) -> tuple[list[Result], int]:
-    engine = ["serve", "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--num-threads", str(args.threads),
-              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    engine = ["serve", "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--num-threads", str(args.threads)]
     roles = ["unified"] * args.engines if mode == "round-robin" else ["prefill"] + ["decode"] * (args.engines - 1)
     procs, flags = [], []
     try:

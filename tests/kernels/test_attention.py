@@ -149,7 +149,8 @@ def test_torch_oracle_matches_dense_attention(spans):
     out = TorchAttention(block_size).forward(q, k, v, k_cache, v_cache, meta, 0.3)
     tables, starts = meta.block_tables.tolist(), meta.query_start_loc.tolist()
     for i, (n, s) in enumerate(spans):
-        slots = torch.tensor([tables[i][p // block_size] * block_size + p % block_size for p in range(s)], device=DEVICE)
+        slots = torch.tensor([tables[i][p // block_size] * block_size + p % block_size for p in range(s)],
+                             device=DEVICE)
         kk = k_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1)
         vv = v_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1)
         mask = torch.arange(s, device=DEVICE)[None, :] <= torch.arange(s - n, s, device=DEVICE)[:, None]

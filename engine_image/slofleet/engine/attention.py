@@ -50,11 +50,9 @@ class TorchAttention:
         bs = self.block_size
         qlens, slens = meta.query_lens_host, meta.seq_lens_host
         decodes = [i for i, q in enumerate(qlens) if q == 1]
-        plan: dict = {"prefills": [i for i, q in enumerate(qlens) if q > 1]}
-        if decodes:
-            plan["decode_groups"] = self._decode_groups(meta, decodes, len(qlens), device)
+        decode_groups = self._decode_groups(meta, decodes, len(qlens), device) if decodes else []
         prefill_info = []
-        for i in plan["prefills"]:
+        for i in (i for i, q in enumerate(qlens) if q > 1):
             start, q, L = int(meta.query_start_loc[i]), qlens[i], slens[i]
             if q == L:  # nothing cached before this chunk: plain causal attention on the new K/V
                 prefill_info.append((start, q, None, None))
@@ -63,8 +61,7 @@ class TorchAttention:
             qpos = torch.arange(L - q, L, device=device)
             mask = torch.arange(len(blocks) * bs, device=device)[None, :] <= qpos[:, None]
             prefill_info.append((start, q, blocks, mask))
-        plan["prefill_info"] = prefill_info
-        return plan
+        return {"decode_groups": decode_groups, "prefill_info": prefill_info}
 
     def _decode_groups(self, meta: AttentionMetadata, decodes: list[int], batch: int, device: torch.device) -> list:
         """(rows, blocks, mask, n) per group of decodes. Each decode of a group reads as many blocks as the group's
@@ -99,7 +96,7 @@ class TorchAttention:
             meta.cache = self._plan(meta, q.device)
         plan = meta.cache
         out = torch.empty_like(q)
-        for rows, blocks, mask, n in plan.get("decode_groups", ()):
+        for rows, blocks, mask, n in plan["decode_groups"]:
             kk = self.gather(k_cache, blocks, n).transpose(1, 2)  # [B, kvh, L, d]
             vv = self.gather(v_cache, blocks, n).transpose(1, 2)
             qq = (q if rows is None else q[rows]).unsqueeze(2)  # [B, h, 1, d]
