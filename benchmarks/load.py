@@ -101,7 +101,7 @@ def main() -> int:
         systems.append(("transformers serve", [cli, "serve", "--continuous-batching", "--port", str(args.port + 1),
                                                str(path)], f"http://127.0.0.1:{args.port + 1}",
                         "/health", str(path), False))
-    print(f"SLOs: " + ", ".join(f"{b.name} TTFT<={b.ttft_slo}s TPOT<={b.tpot_slo * 1000:.0f}ms ({b.share:.0%})"
+    print("SLOs: " + ", ".join(f"{b.name} TTFT<={b.ttft_slo}s TPOT<={b.tpot_slo * 1000:.0f}ms ({b.share:.0%})"
                                 for b in BUCKETS))
     print(f"{'system':18s} {'rate':>5s} {'bucket':12s} {'n':>4s} {'TTFT50':>8s} {'TTFT95':>8s} {'TPOT50ms':>8s} "
           f"{'TPOT95ms':>8s} {'SLO':>7s} {'outtok':>6s}")

@@ -7,8 +7,8 @@ from slofleet.autoscaler import profiles
 from slofleet.autoscaler.baselines import KEDAQueue, Static, Thresholds
 from slofleet.autoscaler.policy import SLO, Decision, Fleet, Policy, PolicyConfig
 from slofleet.autoscaler.profiles import Profile
-from slofleet.autoscaler.sim import SimConfig, simulate
 from slofleet.autoscaler.signals import RoleSignals, Window
+from slofleet.autoscaler.sim import SimConfig, simulate
 from slofleet.autoscaler.traces import Trace
 
 # a small replica: 5 ms steps, 50 us per prompt token, 0.1 ms per sequence, 10 ns per KV token

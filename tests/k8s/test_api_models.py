@@ -8,7 +8,6 @@ import yaml
 
 from slofleet.api import crd
 from slofleet.api.v1alpha1 import LLMService, SLOPolicy
-
 from tests.k8s.conftest import REPO
 
 

@@ -27,7 +27,7 @@ class RouterProc:
         self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
-    def wait_ready(self, timeout: float = 60, path: str = "/ready") -> "RouterProc":
+    def wait_ready(self, timeout: float = 60, path: str = "/ready") -> RouterProc:
         """Ready = it answers and sees at least one ready replica (path /health: it answers)."""
         try:
             wait_http(self.proc, self.url + path, self.log, timeout, "router", pause=0.1)

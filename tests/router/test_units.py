@@ -114,8 +114,13 @@ def test_endpoint_slices():
     ]
     assert endpoints_from_slices(slices, "http") == {"http://10.0.0.1:8000": "unified", "http://10.0.1.1:8000": "prefill",
                                                      "http://[fd00::3]:8000": "unified"}
-    from kubernetes.client import (V1EndpointSlice, V1Endpoint, V1EndpointConditions, DiscoveryV1EndpointPort)
-    from kubernetes.client import V1ObjectMeta
+    from kubernetes.client import (
+        DiscoveryV1EndpointPort,
+        V1Endpoint,
+        V1EndpointConditions,
+        V1EndpointSlice,
+        V1ObjectMeta,
+    )
     model = V1EndpointSlice(address_type="IPv4", ports=[DiscoveryV1EndpointPort(name="http", port=8000)],
                             metadata=V1ObjectMeta(labels={"slofleet.dev/role": "decode"}),
                             endpoints=[V1Endpoint(addresses=["10.1.1.1"], conditions=V1EndpointConditions(ready=True))])
@@ -158,6 +163,7 @@ def test_ring_moves_only_the_removed_replicas_keys():
 
 def test_kubernetes_lister_with_a_fake_api(monkeypatch):
     import kubernetes
+
     from slofleet.router.replicas import ReplicaSet, kubernetes_lister, llmservice_selector
 
     selector = "slofleet.dev/service=chat,slofleet.dev/role in (unified,prefill,decode)"

@@ -35,7 +35,7 @@ class Trace:
         return Trace(self.name, self.arrival[:n], self.prompt[:n], self.output[:n])
 
 
-@functools.lru_cache(maxsize=None)  # parsed once per process; callers never modify a Trace's arrays
+@functools.cache  # parsed once per process; callers never modify a Trace's arrays
 def load(name: str) -> Trace:
     path = DATA / FILES[name]
     if path.suffix == ".jsonl":

@@ -1,11 +1,10 @@
 """Fixed pool of KV blocks: ref counts, an LRU free list, and the prefix-cache map hash -> block."""
 from __future__ import annotations
 
+import array
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import array
 
 
 @dataclass

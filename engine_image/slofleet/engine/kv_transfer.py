@@ -42,7 +42,7 @@ class KVPayload:
         return struct.pack("<I", len(head)) + head + k + v
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "KVPayload":
+    def from_bytes(cls, data: bytes) -> KVPayload:
         (n,) = struct.unpack_from("<I", data)
         h = json.loads(data[4:4 + n])
         dtype = _DTYPES[h["dtype"]]

@@ -53,7 +53,7 @@ class Rotary:
         freqs = torch.outer(pos, inv_frequencies(config, head_dim).to("cpu"))
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def to(self, device: torch.device) -> "Rotary":
+    def to(self, device: torch.device) -> Rotary:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
         return self
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import aiohttp
 

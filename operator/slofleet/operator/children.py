@@ -9,7 +9,6 @@ import json
 from dataclasses import dataclass
 
 from slofleet.api.v1alpha1 import API_VERSION, Bucket, LLMService, Pool, RoleAutoscaling
-
 from slofleet.operator import router
 from slofleet.operator.podspec import labels, pod_template
 

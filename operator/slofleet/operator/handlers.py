@@ -12,8 +12,8 @@ import time
 import kopf
 
 from slofleet.api.v1alpha1 import GROUP, VERSION
-
-from slofleet.operator import kube as kube_mod, metrics, router
+from slofleet.operator import kube as kube_mod
+from slofleet.operator import metrics, router
 from slofleet.operator.reconcile import reconcile
 
 PLURAL = "llmservices"

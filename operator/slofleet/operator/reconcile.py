@@ -9,7 +9,6 @@ import datetime as dt
 from dataclasses import dataclass, field
 
 from slofleet.api.v1alpha1 import Bucket, LLMService, SLOPolicy
-
 from slofleet.operator import children, router, status
 from slofleet.operator.kube import Kube
 

@@ -9,7 +9,6 @@ per service in the service's namespace: the operator only needs `bind` on that C
 from __future__ import annotations
 
 from slofleet.api.v1alpha1 import LLMService
-
 from slofleet.operator.podspec import CONFIG_DIR, DRAIN_SLACK_SECONDS, labels, probe
 
 ROLE = "router"

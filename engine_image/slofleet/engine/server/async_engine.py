@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from ..engine import LLMEngine, RequestOutput
 from ..request import Request

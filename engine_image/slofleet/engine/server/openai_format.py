@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from ..engine import LLMEngine, RequestOutput
 from ..request import Request
