@@ -15,10 +15,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from slofleet.api.contract import ROLES  # noqa: F401 (re-exported)
+
 GROUP = "slofleet.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
-ROLES = ("unified", "prefill", "decode")
 
 
 def to_camel(name: str) -> str:

@@ -1,0 +1,126 @@
+"""What the components share on the wire and in the cluster: roles, header names, label keys, the error body,
+Kubernetes client setup, time stamps, and the Prometheus text the router and autoscaler read.
+
+Standard library only, so the engine (which imports nothing else of `slofleet.api`) may import it too. A name
+here changes only with every side at once."""
+from __future__ import annotations
+
+import datetime
+import math
+from typing import NamedTuple
+
+# -- roles ---------------------------------------------------------------------------------------------------
+UNIFIED, PREFILL, DECODE, ROUTER = "unified", "prefill", "decode", "router"
+ROLES = (UNIFIED, PREFILL, DECODE)  # the engine roles: `slofleet serve --role`, one pool each
+
+# -- HTTP headers --------------------------------------------------------------------------------------------
+BUCKET_HEADER = "x-slofleet-bucket"  # the request's bucket, set by the router (or a client calling an engine)
+PREFILL_HEADER = "x-slofleet-prefill-url"  # router -> decode engine: pull this prompt's KV from that prefill engine
+REPLICA_HEADER = "x-slofleet-replica"  # router -> client (debugging): which replica answered
+
+# -- labels and annotations ----------------------------------------------------------------------------------
+SERVICE_LABEL = "slofleet.dev/service"  # on every child of an LLMService: its name
+ROLE_LABEL = "slofleet.dev/role"  # on engine and router pods and Services: one of ROLES, or ROUTER
+MANAGED_BY = {"app.kubernetes.io/managed-by": "slofleet-operator"}
+
+# -- metric names the router and autoscaler read from an engine's /metrics -----------------------------------
+NUM_RUNNING = "vllm:num_requests_running"
+NUM_WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+QUEUED_PROMPT_TOKENS = "slofleet:queued_prompt_tokens"
+PREEMPTIONS = "vllm:num_preemptions"
+PROMPT_TOKENS = "vllm:prompt_tokens"
+GENERATION_TOKENS = "vllm:generation_tokens"
+REQUEST_SUCCESS = "vllm:request_success"
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+E2E = "vllm:e2e_request_latency_seconds"
+ROUTER_HELD = "slofleet:router_held_requests"  # the router's requests held while a role has no ready replica
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: int | None = None) -> dict:
+    """The OpenAI-shaped error object every HTTP component answers with."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def now() -> str:
+    """The current time in RFC 3339 (UTC, seconds), as Kubernetes writes time stamps."""
+    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def load_kube_config() -> None:
+    """In a pod, its ServiceAccount; elsewhere the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
+    from kubernetes import config  # imported here: the engine never needs it
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+# -- Prometheus text format ----------------------------------------------------------------------------------
+class Sample(NamedTuple):
+    name: str
+    labels: dict[str, str]
+    value: float
+    timestamp: float | None = None  # seconds, when the line carries one (as /federate answers)
+
+
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
+
+
+def _labels(text: str, i: int) -> tuple[dict[str, str], int]:
+    """Parse `{a="x",b="y"}` starting at text[i] == '{'; returns the labels and the index after '}'."""
+    out: dict[str, str] = {}
+    i += 1
+    while True:
+        while text[i] in " ,":
+            i += 1
+        if text[i] == "}":
+            return out, i + 1
+        eq = text.index("=", i)
+        key = text[i:eq].strip()
+        i = text.index('"', eq) + 1
+        buf = []
+        while text[i] != '"':
+            if text[i] == "\\":
+                i += 1
+                buf.append(_ESCAPES.get(text[i], "\\" + text[i]))
+            else:
+                buf.append(text[i])
+            i += 1
+        out[key] = "".join(buf)
+        i += 1
+
+
+def parse_samples(text: str) -> list[Sample]:
+    """Every sample of a Prometheus text exposition (comments skipped). Raises ValueError on a malformed line,
+    so a half-written answer reads as missing data, not as zero."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line[0] == "#":
+            continue
+        try:
+            brace, space = line.find("{"), line.find(" ")
+            if brace != -1 and (space == -1 or brace < space):
+                name, (labels, end) = line[:brace], _labels(line, brace)
+            else:
+                name, labels, end = line[:space], {}, space
+            fields = line[end:].split()
+            value = float(fields[0])
+            ts = float(fields[1]) / 1000 if len(fields) > 1 else None
+        except (IndexError, ValueError) as e:
+            raise ValueError(f"malformed metrics line {line[:120]!r}") from e
+        out.append(Sample(name, labels, value, ts))
+    return out
+
+
+def sum_by_name(samples: list[Sample], names: set[str] | frozenset[str]) -> dict[str, float]:
+    """name -> the sum over its label sets, for the given names (0 when absent); NaN samples are skipped."""
+    out = dict.fromkeys(names, 0.0)
+    for s in samples:
+        if s.name in out and not math.isnan(s.value):
+            out[s.name] += s.value
+    return out
