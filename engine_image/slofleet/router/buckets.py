@@ -1,8 +1,9 @@
 """Bucket classification, per-bucket admission limits, and shedding by priority.
 
-Rules follow the LLMService resource's `buckets` (crds/slofleet/api): the first bucket whose match conditions
-all hold wins, a bucket without conditions is the catch-all. The router has no tokenizer, so prompt tokens are
-estimated from characters (`chars_per_token`); the estimate only has to put a request in the right bucket."""
+Rules are the LLMService resource's `buckets`, parsed with its models (slofleet.api.v1alpha1): the first bucket
+whose match conditions all hold wins, a bucket without conditions is the catch-all. The router has no tokenizer,
+so prompt tokens are estimated from characters (`chars_per_token`); the estimate only has to put a request in the
+right bucket."""
 from __future__ import annotations
 
 import json
@@ -10,57 +11,41 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-@dataclass
-class Match:
-    min_prompt_tokens: int | None = None
-    max_prompt_tokens: int | None = None
-    max_output_tokens: int | None = None
-    header: dict[str, str] = field(default_factory=dict)
-    route: str | None = None
-
-    def holds(self, prompt_tokens: int, max_tokens: int | None, headers: dict[str, str], path: str) -> bool:
-        if self.min_prompt_tokens is not None and prompt_tokens < self.min_prompt_tokens:
-            return False
-        if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
-            return False
-        # an absent max_tokens may run long, so it never satisfies an upper bound
-        if self.max_output_tokens is not None and (max_tokens is None or max_tokens > self.max_output_tokens):
-            return False
-        if self.route is not None and not path.startswith(self.route):
-            return False
-        return all(headers.get(k.lower()) == v for k, v in self.header.items())
+from slofleet.api.v1alpha1 import SLO, Bucket, Match
 
 
-@dataclass
-class Bucket:
-    name: str
-    priority: int = 0  # lower runs first; passed to the engine unchanged
-    match: Match = field(default_factory=Match)
-    max_waiting_requests: int | None = None  # requests of this bucket not yet streaming
-    max_queued_tokens: int | None = None  # their estimated prompt tokens
-    max_requests_per_second: float | None = None
+class RoutedBucket(Bucket):
+    """A bucket as the router reads it: the resource's, except that a hand-written file may leave out the SLO,
+    which only the autoscaler reads."""
+    slo: SLO | None = None
 
 
-DEFAULT_BUCKETS = [Bucket("default")]
+DEFAULT_BUCKETS = [RoutedBucket(name="default")]
 
 
-def _camel(d: dict, key: str):
-    """The resource is camelCase in YAML; accept snake_case too for hand-written files."""
-    parts = key.split("_")
-    return d.get(parts[0] + "".join(p.title() for p in parts[1:]), d.get(key))
+def matches(m: Match, prompt_tokens: int, max_tokens: int | None, headers: dict[str, str], path: str) -> bool:
+    if m.min_prompt_tokens is not None and prompt_tokens < m.min_prompt_tokens:
+        return False
+    if m.max_prompt_tokens is not None and prompt_tokens > m.max_prompt_tokens:
+        return False
+    # an absent max_tokens may run long, so it never satisfies an upper bound
+    if m.max_output_tokens is not None and (max_tokens is None or max_tokens > m.max_output_tokens):
+        return False
+    if m.route is not None and not path.startswith(m.route):
+        return False
+    return all(headers.get(k.lower()) == v for k, v in (m.header or {}).items())
+
+
+def catch_all(m: Match) -> bool:
+    return all(v is None or v == {} for v in m.model_dump().values())  # `header: {}` is no condition either
 
 
 def parse_buckets(items: list[dict]) -> list[Bucket]:
-    out = []
-    for b in items:
-        m, adm = b.get("match") or {}, b.get("admission") or {}
-        match = Match(_camel(m, "min_prompt_tokens"), _camel(m, "max_prompt_tokens"), _camel(m, "max_output_tokens"),
-                      dict(m.get("header") or {}), m.get("route"))
-        out.append(Bucket(b["name"], int(b.get("priority", 0)), match, _camel(adm, "max_waiting_requests"),
-                          _camel(adm, "max_queued_tokens"), _camel(adm, "max_requests_per_second")))
-    if not any(b.match == Match() for b in out):
-        out.append(Bucket("default", max((b.priority for b in out), default=0)))  # nothing goes unclassified
+    """Buckets in camelCase (as in the resource) or snake_case (hand-written files), plus a catch-all when none
+    is one, so that nothing goes unclassified."""
+    out: list[Bucket] = [RoutedBucket.model_validate(b) for b in items]
+    if not any(catch_all(b.match) for b in out):
+        out.append(RoutedBucket(name="default", priority=max((b.priority for b in out), default=0)))
     return out
 
 
@@ -108,7 +93,8 @@ class Classifier:
     def __init__(self, buckets: list[Bucket], chars_per_token: float = 4.0, min_share: float = 0.5):
         self.buckets, self.chars_per_token = buckets, chars_per_token
         # a rate-limited bucket starts with one second's worth of requests allowed
-        self.state = {b.name: BucketState(allowance=max(b.max_requests_per_second or 0.0, 1.0)) for b in buckets}
+        self.state = {b.name: BucketState(allowance=max(b.admission.max_requests_per_second or 0.0, 1.0))
+                      for b in buckets}
         levels = sorted({b.priority for b in buckets})
         span = max(len(levels) - 1, 1)
         self.share = {p: 1.0 - (1.0 - min_share) * i / span for i, p in enumerate(levels)}
@@ -118,26 +104,26 @@ class Classifier:
 
     def classify(self, prompt_tokens: int, max_tokens: int | None, headers: dict[str, str], path: str) -> Bucket:
         for b in self.buckets:
-            if b.match.holds(prompt_tokens, max_tokens, headers, path):
+            if matches(b.match, prompt_tokens, max_tokens, headers, path):
                 return b
         return self.buckets[-1]
 
     def admit(self, bucket: Bucket, tokens: int, inflight: int, capacity: int) -> Ticket:
-        st, now = self.state[bucket.name], time.monotonic()
+        st, adm, now = self.state[bucket.name], bucket.admission, time.monotonic()
         if capacity <= 0:
             raise Admission("no ready replica to serve this request; retry shortly", 2)
         limit = max(1, int(capacity * self.share[bucket.priority]))
         if inflight >= limit:
             raise Admission(f"the fleet is over capacity for bucket {bucket.name!r} (priority {bucket.priority}): "
                             f"{inflight} requests in flight, this bucket is admitted below {limit}; retry later")
-        if bucket.max_waiting_requests is not None and st.waiting >= bucket.max_waiting_requests:
+        if adm.max_waiting_requests is not None and st.waiting >= adm.max_waiting_requests:
             raise Admission(f"bucket {bucket.name!r} has {st.waiting} requests waiting, its limit is "
-                            f"{bucket.max_waiting_requests}; retry later")
-        if bucket.max_queued_tokens is not None and st.waiting and st.queued_tokens + tokens > bucket.max_queued_tokens:
+                            f"{adm.max_waiting_requests}; retry later")
+        if adm.max_queued_tokens is not None and st.waiting and st.queued_tokens + tokens > adm.max_queued_tokens:
             raise Admission(f"bucket {bucket.name!r} has {st.queued_tokens} prompt tokens queued, its limit is "
-                            f"{bucket.max_queued_tokens}; retry later")
-        if bucket.max_requests_per_second is not None:
-            rate = bucket.max_requests_per_second
+                            f"{adm.max_queued_tokens}; retry later")
+        if adm.max_requests_per_second is not None:
+            rate = adm.max_requests_per_second
             st.allowance = min(max(rate, 1.0), st.allowance + (now - st.stamp) * rate)
             st.stamp = now
             if st.allowance < 1.0:

@@ -3,11 +3,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import typing
+
+from slofleet.api.contract import DECODE, PREFILL, ROLE_LABEL, SERVICE_LABEL, UNIFIED
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from slofleet.api.v1alpha1 import Router as Spec
+
+    from .proxy import RouterConfig as Cfg  # the defaults live there (and in the resource), not in the flags
+
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8080, help="port to listen on")
+    parser.add_argument("--port", type=int, default=Spec.model_fields["port"].default, help="port to listen on")
     parser.add_argument("--upstream", action="append", default=[], metavar="URL",
                         help="a unified engine replica, e.g. http://127.0.0.1:8000 (repeat for several)")
     parser.add_argument("--prefill-upstream", action="append", default=[], metavar="URL",
@@ -18,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="discover replicas from this Service's EndpointSlices instead of --upstream")
     parser.add_argument("--k8s-llmservice", metavar="[NAMESPACE/]NAME",
                         help="discover every role's replicas of this LLMService (the operator's Services, by their "
-                             "slofleet.dev/service and slofleet.dev/role labels)")
+                             f"{SERVICE_LABEL} and {ROLE_LABEL} labels)")
     parser.add_argument("--k8s-port-name", default=None, help="EndpointSlice port name to use (default: the first)")
     parser.add_argument("--buckets", metavar="FILE",
                         help="YAML/JSON bucket rules: a list, {buckets: [...]}, or an LLMService/SLOPolicy")
@@ -29,23 +36,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tpm", type=float, default=0.0, help="default tokens per minute per key (0: unlimited)")
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="output tokens charged to a quota when a request gives no max_tokens")
-    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    parser.add_argument("--max-prompt-tokens", type=int, default=32768, help="longer prompts (estimated) get 413")
+    parser.add_argument("--max-body-bytes", type=int, default=Cfg.max_body_bytes, help="larger request bodies get 413")
+    parser.add_argument("--max-prompt-tokens", type=int, default=Cfg.max_prompt_tokens,
+                        help="longer prompts (estimated) get 413")
     parser.add_argument("--chars-per-token", type=float, default=4.0, help="prompt-token estimate without a tokenizer")
-    parser.add_argument("--capacity-per-replica", type=int, default=128,
+    parser.add_argument("--capacity-per-replica", type=int, default=Cfg.capacity_per_replica,
                         help="in-flight requests per ready replica; beyond a bucket's share of it, it is shed")
     parser.add_argument("--min-shed-share", type=float, default=0.5,
                         help="share of the capacity the least critical priority may use (the most critical: all)")
-    parser.add_argument("--policy", default="prefix", choices=("prefix", "least-load", "round-robin"))
-    parser.add_argument("--affinity-chars", type=int, default=256,
+    parser.add_argument("--policy", default=Spec.model_fields["policy"].default,
+                        choices=typing.get_args(Spec.model_fields["policy"].annotation))
+    parser.add_argument("--affinity-chars", type=int, default=Cfg.affinity_chars,
                         help="leading prompt characters hashed for prefix affinity")
     parser.add_argument("--load-factor", type=float, default=1.25,
                         help="bounded load: a replica takes at most this times the mean load")
-    parser.add_argument("--max-attempts", type=int, default=3, help="replicas tried before the first byte")
-    parser.add_argument("--prefill-threshold-tokens", type=int, default=512,
+    parser.add_argument("--max-attempts", type=int, default=Cfg.max_attempts,
+                        help="replicas tried before the first byte")
+    parser.add_argument("--prefill-threshold-tokens", type=int, default=Cfg.prefill_threshold_tokens,
                         help="prompts of at least this many (estimated) tokens are prefilled on a prefill replica "
                              "and handed to a decode replica; shorter ones go straight to a decode replica")
-    parser.add_argument("--hold-timeout-seconds", type=float, default=60.0,
+    parser.add_argument("--hold-timeout-seconds", type=float, default=Cfg.hold_timeout,
                         help="while no replica is ready, hold requests this long for one (scale from zero), "
                              "then answer 503")
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between replica probes")
@@ -65,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
     from .replicas import ReplicaSet, kubernetes_lister, llmservice_selector, service_selector
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    static = {**{u: "unified" for u in args.upstream}, **{u: "prefill" for u in args.prefill_upstream},
-              **{u: "decode" for u in args.decode_upstream}}
+    static = {**{u: UNIFIED for u in args.upstream}, **{u: PREFILL for u in args.prefill_upstream},
+              **{u: DECODE for u in args.decode_upstream}}
     if sum(map(bool, (static, args.k8s_service, args.k8s_llmservice))) != 1:
         print("slofleet router: give either --upstream/--prefill-upstream/--decode-upstream (repeatable), "
               "--k8s-service or --k8s-llmservice")

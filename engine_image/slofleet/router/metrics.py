@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from slofleet.api.contract import ROUTER_HELD
+
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -27,5 +29,5 @@ class RouterMetrics:
                                  "prefilled: disaggregated (on a prefill replica), direct (a short prompt, on the "
                                  "serving replica), fallback (a long prompt while no prefill replica was ready).",
                                  ["bucket", "route"], registry=r)
-        self.held = Gauge("slofleet:router_held_requests", "Requests waiting for a serving replica to become ready "
+        self.held = Gauge(ROUTER_HELD, "Requests waiting for a serving replica to become ready "
                           "(the autoscaler's signal to scale up from zero).", ["bucket"], registry=r)

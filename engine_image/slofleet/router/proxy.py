@@ -27,6 +27,9 @@ import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from slofleet.api import v1alpha1 as api
+from slofleet.api.contract import BUCKET_HEADER, DECODE, PREFILL, PREFILL_HEADER, REPLICA_HEADER, UNIFIED
+
 from .balancer import Balancer, prefix_key
 from .buckets import Admission, Bucket, Classifier, Ticket
 from .gateway import GatewayError, KeyStore, Quotas
@@ -35,13 +38,11 @@ from .replicas import ReplicaSet
 from .wire import RoutedBody, error_body, headers_of, respond, until_disconnect
 
 log = logging.getLogger("slofleet.router")
-BUCKET_HEADER = "x-slofleet-bucket"
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 PASS_HEADERS = (b"content-type", b"content-length", b"retry-after")
 FORWARD_HEADERS = ("x-request-id", "traceparent", "tracestate")
 RETRYABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
-PREFILL_HEADER = "x-slofleet-prefill-url"  # the engine's contract (slofleet.engine.server.api)
-SERVING = ("unified", "decode")  # roles that run whole requests; a prefill replica only ever prefills
+SERVING = (UNIFIED, DECODE)  # roles that run whole requests; a prefill replica only ever prefills
 
 
 @dataclass
@@ -52,9 +53,10 @@ class RouterConfig:
     max_attempts: int = 3
     affinity_chars: int = 256
     connect_timeout: float = 2.0
-    replica_header: bool = False  # answer with x-slofleet-replica (tests, debugging)
-    prefill_threshold_tokens: int = 512  # prompts this long or longer are prefilled on a prefill replica
-    hold_timeout: float = 60.0  # how long a request waits for a serving replica to become ready
+    replica_header: bool = False  # answer with REPLICA_HEADER (tests, debugging)
+    # the resource's defaults (its field descriptions say what they do), so a local router behaves the same
+    prefill_threshold_tokens: int = api.Topology.model_fields["prefill_threshold_tokens"].default
+    hold_timeout: float = api.Router.model_fields["hold_timeout_seconds"].default  # waiting for a ready replica
 
 
 class Router:
@@ -244,7 +246,7 @@ class Router:
             tried.add(replica.url)
             prefill = None
             if long_prompt:
-                prefill = self.balancer.choose(self.replicas.ready(("prefill",)), key, bad_prefill)
+                prefill = self.balancer.choose(self.replicas.ready((PREFILL,)), key, bad_prefill)
             how = "least-load" if key is None and self.balancer.policy == "prefix" else self.balancer.policy
             self.metrics.routed.labels(name, how).inc()
             replica.inflight += 1
@@ -309,7 +311,7 @@ class Router:
             out = [(k, v) for k, v in resp.raw_headers if k.lower() in PASS_HEADERS]
             out.append((BUCKET_HEADER.encode(), name.encode()))
             if self.cfg.replica_header:
-                out.append((b"x-slofleet-replica", replica.url.encode()))
+                out.append((REPLICA_HEADER.encode(), replica.url.encode()))
             await send({"type": "http.response.start", "status": resp.status, "headers": out})
             await send({"type": "http.response.body", "body": first, "more_body": True})
             self.metrics.ttfb.labels(name).observe(time.perf_counter() - t0)

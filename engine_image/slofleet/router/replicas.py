@@ -20,18 +20,28 @@ from typing import Any
 
 import aiohttp
 
+from slofleet.api.contract import (
+    KV_USAGE,
+    NUM_RUNNING,
+    NUM_WAITING,
+    ROLE_LABEL,
+    ROLES,
+    SERVICE_LABEL,
+    UNIFIED,
+    load_kube_config,
+    parse_samples,
+    sum_by_name,
+)
+
 log = logging.getLogger("slofleet.router.replicas")
 
-ROLES = ("unified", "prefill", "decode")
-ROLE_LABEL = "slofleet.dev/role"
-SCRAPED = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
-           "vllm:kv_cache_usage_perc": "kv_usage"}
+SCRAPED = {NUM_WAITING: "waiting", NUM_RUNNING: "running", KV_USAGE: "kv_usage"}
 
 
 @dataclass
 class Replica:
     url: str
-    role: str = "unified"
+    role: str = UNIFIED
     ready: bool = False
     inflight: int = 0  # requests this router has open on it
     waiting: float = 0.0  # from the engine's /metrics
@@ -46,20 +56,9 @@ class Replica:
 
 
 def parse_load(text: str) -> dict[str, float]:
-    """The three gauges the router needs, summed over label sets, without a full Prometheus parser: a scrape of
-    every replica every second must stay cheap."""
-    out = {attr: 0.0 for attr in SCRAPED.values()}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        attr = SCRAPED.get(name)
-        if attr is not None:
-            try:
-                out[attr] += float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                continue
-    return out
+    """The three gauges the router needs, summed over label sets. Raises ValueError on a malformed answer."""
+    sums = sum_by_name(parse_samples(text), SCRAPED.keys())
+    return {attr: sums[name] for name, attr in SCRAPED.items()}
 
 
 def endpoints_from_slices(slices: list[Any], port_name: str | None, scheme: str = "http") -> dict[str, str]:
@@ -75,7 +74,7 @@ def endpoints_from_slices(slices: list[Any], port_name: str | None, scheme: str 
         if not ports:
             continue
         port = get(ports[0], "port")
-        role = (get(get(s, "metadata") or {}, "labels") or {}).get(ROLE_LABEL, "unified")
+        role = (get(get(s, "metadata") or {}, "labels") or {}).get(ROLE_LABEL, UNIFIED)
         for ep in get(s, "endpoints") or []:
             cond = get(ep, "conditions")
             if cond is not None and get(cond, "ready") is False:  # absent means ready, per the API
@@ -95,7 +94,7 @@ def service_selector(service: str) -> str:
 
 def llmservice_selector(name: str) -> str:
     # Every engine role's Service of the LLMService, and not the router's own Service (role "router").
-    return f"slofleet.dev/service={name},{ROLE_LABEL} in ({','.join(ROLES)})"
+    return f"{SERVICE_LABEL}={name},{ROLE_LABEL} in ({','.join(ROLES)})"
 
 
 def kubernetes_lister(namespace: str, selector: str, port_name: str | None) -> Callable[[], dict[str, str]]:
@@ -103,14 +102,11 @@ def kubernetes_lister(namespace: str, selector: str, port_name: str | None) -> C
     through the API server (in-cluster config, else kubeconfig). Polled rather than watched: endpoints change
     rarely and a poll cannot silently stall. No namespace given: the router pod's own. Needs RBAC to list
     discovery.k8s.io endpointslices there."""
-    from kubernetes import client, config
+    from kubernetes import client
 
     if not namespace:
         namespace = open(SA_NAMESPACE).read().strip() if os.path.exists(SA_NAMESPACE) else "default"
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
+    load_kube_config()
     api = client.DiscoveryV1Api()
 
     def list_urls() -> dict[str, str]:
@@ -162,8 +158,12 @@ class ReplicaSet:
                 ready = resp.status == 200
             if ready:
                 async with client.get(r.url + "/metrics") as resp:
-                    for attr, value in parse_load(await resp.text()).items():
+                    text = await resp.text()
+                try:
+                    for attr, value in parse_load(text).items():
                         setattr(r, attr, value)
+                except ValueError as e:  # a half-written answer: keep the last load; readiness is /ready's
+                    log.warning("replica %s: unreadable /metrics: %s", r.url, e)
         except asyncio.TimeoutError:
             r.slow_probes += 1
             ready, why = r.ready and r.slow_probes < self.slow_limit, f"{r.slow_probes} probes timed out in a row"

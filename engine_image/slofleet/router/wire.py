@@ -7,6 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from slofleet.api import contract
+
 
 class RoutedBody(BaseModel):
     """The fields the router reads; the rest passes through untouched for the engine to validate."""
@@ -38,7 +40,7 @@ class RoutedBody(BaseModel):
 
 
 def error_body(status: int, message: str, kind: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+    return json.dumps(contract.error_body(message, kind, code=status)).encode()
 
 
 async def respond(send, status: int, body: bytes, content_type: bytes = b"application/json",
