@@ -13,9 +13,15 @@ import json
 import sys
 import time
 
+from slofleet.api.contract import ROLES
+from slofleet.api.v1alpha1 import Autoscaling
+
+from .actuate import STALE_INTERVALS, WINDOW_INTERVALS
 from .policy import SLO, Fleet, Policy, PolicyConfig
 from .signals import History, merge
 from .sources import scrape
+
+INTERVAL = Autoscaling.model_fields["interval_seconds"].default  # --target mode decides as a resource would
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,16 +34,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resync", type=float, default=60.0,
                    help="with --kubernetes: rewrite an unchanged decision after this many seconds")
     p.add_argument("--target", action="append", default=[], metavar="ROLE=URL",
-                   help="an engine's base URL and its role (unified, prefill, decode); repeat per pod")
-    p.add_argument("--ttft", type=float, default=0.5, help="--target mode: TTFT target, seconds")
-    p.add_argument("--tpot", type=float, default=0.05, help="--target mode: TPOT target, seconds")
-    p.add_argument("--min-replicas", type=int, default=1, help="--target mode (the resource's bounds otherwise)")
-    p.add_argument("--max-replicas", type=int, default=16, help="--target mode (the resource's bounds otherwise)")
-    p.add_argument("--prefill-tps", type=float, default=20_000.0, help="prior: prompt tokens/s per replica")
-    p.add_argument("--decode-tps", type=float, default=4_000.0, help="prior: generated tokens/s per replica")
-    p.add_argument("--cold-start", type=float, default=90.0, help="seconds from asking for a replica to its serving")
-    p.add_argument("--interval", type=float, default=15.0, help="--target mode: seconds between decisions")
-    p.add_argument("--window", type=float, default=60.0, help="--target mode: seconds of history each decision reads")
+                   help=f"an engine's base URL and its role ({', '.join(ROLES)}); repeat per pod")
+    # The defaults are PolicyConfig's and SLO's, so the flags and the library cannot disagree.
+    p.add_argument("--ttft", type=float, default=SLO.ttft_s, help="--target mode: TTFT target, seconds")
+    p.add_argument("--tpot", type=float, default=SLO.tpot_s, help="--target mode: TPOT target, seconds")
+    p.add_argument("--min-replicas", type=int, default=PolicyConfig.min_replicas,
+                   help="--target mode (the resource's bounds otherwise)")
+    p.add_argument("--max-replicas", type=int, default=PolicyConfig.max_replicas,
+                   help="--target mode (the resource's bounds otherwise)")
+    p.add_argument("--prefill-tps", type=float, default=PolicyConfig.prefill_tps,
+                   help="prior: prompt tokens/s per replica")
+    p.add_argument("--decode-tps", type=float, default=PolicyConfig.decode_tps,
+                   help="prior: generated tokens/s per replica")
+    p.add_argument("--cold-start", type=float, default=PolicyConfig.cold_start_s,
+                   help="seconds from asking for a replica to its serving")
+    p.add_argument("--interval", type=float, default=INTERVAL, help="--target mode: seconds between decisions")
+    p.add_argument("--window", type=float, default=WINDOW_INTERVALS * INTERVAL,
+                   help="--target mode: seconds of history each decision reads")
     p.add_argument("--iterations", type=int, default=0, help="stop after this many rounds (0: run forever)")
 
 
@@ -69,7 +82,7 @@ def run_targets(args: argparse.Namespace, base: PolicyConfig) -> int:
     policies = {role: Policy(PolicyConfig(role=role, slo=slo, min_replicas=args.min_replicas,
                                           max_replicas=args.max_replicas, prefill_tps=base.prefill_tps,
                                           decode_tps=base.decode_tps, cold_start_s=base.cold_start_s,
-                                          stale_after_s=3 * args.interval))
+                                          stale_after_s=STALE_INTERVALS * args.interval))
                 for role in targets}
     history = {role: History(args.window) for role in targets}
     n = 0

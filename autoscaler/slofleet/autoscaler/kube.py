@@ -4,12 +4,12 @@ server-side apply; its RBAC is exactly these calls.
 """
 from __future__ import annotations
 
-import datetime as dt
 import json
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from slofleet.api.contract import load_kube_config, now
 from slofleet.api.v1alpha1 import API_VERSION, GROUP, VERSION
 
 FIELD_MANAGER = "slofleet-autoscaler"
@@ -17,15 +17,8 @@ PLURAL = "llmservices"
 
 
 def connect() -> client.ApiClient:
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
+    load_kube_config()
     return client.ApiClient()
-
-
-def now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class Kube:

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 from kubernetes.client.rest import ApiException
 
+from slofleet.api.contract import ROLE_LABEL, ROUTER, SERVICE_LABEL, now
 from slofleet.api.v1alpha1 import LLMService, RoleAutoscaling, SLOPolicy
 
 from . import actuate
-from .kube import Kube, now
+from .kube import Kube
 from .policy import Decision, Fleet, Policy, PolicyConfig
 from .signals import History, merge
 from .sources import federate, held_requests, scrape
@@ -40,6 +41,10 @@ def ready(pod: dict) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conds) and bool(pod["status"].get("podIP"))
 
 
+def selector(service: str, role: str) -> str:
+    return f"{SERVICE_LABEL}={service},{ROLE_LABEL}={role}"
+
+
 def pod_url(pod: dict) -> str:
     ports = [p for c in pod["spec"]["containers"] for p in c.get("ports") or []]
     port = next((p for p in ports if p.get("name") == "http"), ports[0] if ports else {"containerPort": 8000})
@@ -49,7 +54,8 @@ def pod_url(pod: dict) -> str:
 class Autoscaler:
     def __init__(self, kube: Kube, base: PolicyConfig, namespace: str | None = None, prometheus: str | None = None,
                  resync_s: float = 60.0):
-        self.kube, self.base, self.namespace, self.prometheus, self.resync_s = kube, base, namespace, prometheus, resync_s
+        self.kube, self.base, self.namespace = kube, base, namespace
+        self.prometheus, self.resync_s = prometheus, resync_s
         self.services: dict[str, ServiceState] = {}  # by uid
 
     def tick(self) -> None:
@@ -91,8 +97,7 @@ class Autoscaler:
                     # A restarted autoscaler holds what is on record, not what happens to be running.
                     state.policy.last = Decision(recorded.desired_replicas, "on record", recorded.condition or "Ok")
             state.policy.cfg, state.history.span = rs.policy, rs.window_s  # the spec may have changed
-            pods = [p for p in self.kube.pods(ns, f"slofleet.dev/service={name},slofleet.dev/role={role}")
-                    if not p["metadata"].get("deletionTimestamp")]
+            pods = [p for p in self.kube.pods(ns, selector(name, role)) if not p["metadata"].get("deletionTimestamp")]
             up = [p for p in pods if ready(p)]
             fleet = Fleet(ready=len(up), starting=len(pods) - len(up))
             timeout = min(5.0, svc.spec.autoscaling.interval_seconds / 2)
@@ -111,7 +116,7 @@ class Autoscaler:
 
     def held(self, ns: str, name: str) -> float:
         """Requests the service's router pods hold for want of a replica (0 without router pods)."""
-        routers = [p for p in self.kube.pods(ns, f"slofleet.dev/service={name},slofleet.dev/role=router") if ready(p)]
+        routers = [p for p in self.kube.pods(ns, selector(name, ROUTER)) if ready(p)]
         return sum(h for h in (held_requests(pod_url(p), 2.0) for p in routers) if h is not None)
 
     def record(self, raw: dict, svc: LLMService, role: str, state: RoleState, d: Decision, fleet: Fleet,

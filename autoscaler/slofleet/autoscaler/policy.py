@@ -15,9 +15,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from .signals import Window, stale
+from slofleet.api.contract import DECODE, PREFILL, ROLES, UNIFIED
 
-ROLES = ("unified", "prefill", "decode")
+from .signals import Window, stale
 
 
 @dataclass
@@ -29,7 +29,7 @@ class SLO:
 
 @dataclass
 class PolicyConfig:
-    role: str = "unified"
+    role: str = UNIFIED
     slo: SLO = field(default_factory=SLO)
     min_replicas: int = 1
     max_replicas: int = 64
@@ -102,7 +102,7 @@ class Policy:
         p = win.mean_prompt if win.mean_prompt is not None else 0.0
         o = win.mean_output if win.mean_output is not None else 0.0
         pre, dec = rate * p / (self.cfg.prefill_tps * self.scale), rate * o / (self.cfg.decode_tps * self.scale)
-        return {"prefill": pre, "decode": dec}.get(self.cfg.role, pre + dec)
+        return {PREFILL: pre, DECODE: dec}.get(self.cfg.role, pre + dec)
 
     def proactive(self, now: float, win: Window) -> tuple[int, str]:
         self.rates.append((now, win.arrival_rate))
@@ -118,12 +118,12 @@ class Policy:
         (inter-token latency), KV usage and preemptions; unified reads all."""
         cfg, s = self.cfg, win.now
         pods, miss = max(s.pods, 1), []
-        if cfg.role != "decode":
+        if cfg.role != DECODE:
             if win.ttft_attainment is not None and win.ttft_attainment < cfg.slo.target:
                 miss.append(f"TTFT attainment {win.ttft_attainment:.1%}")
             if s.waiting / pods > cfg.waiting_per_replica:
                 miss.append(f"{s.waiting / pods:.1f} waiting per replica")
-        if cfg.role != "prefill":
+        if cfg.role != PREFILL:
             if win.itl_attainment is not None and win.itl_attainment < cfg.slo.target:
                 miss.append(f"TPOT attainment {win.itl_attainment:.1%}")
             if s.kv_usage > cfg.kv_high:
@@ -151,9 +151,9 @@ class Policy:
         if fleet.ready == 0 or win.mean_prompt is None or win.mean_output is None:
             return
         load = (win.prompt_rate / self.cfg.prefill_tps + win.output_rate / self.cfg.decode_tps) / fleet.ready
-        if self.cfg.role == "prefill":
+        if self.cfg.role == PREFILL:
             load = win.prompt_rate / self.cfg.prefill_tps / fleet.ready
-        elif self.cfg.role == "decode":
+        elif self.cfg.role == DECODE:
             load = win.output_rate / self.cfg.decode_tps / fleet.ready
         hot = bool(self.pressure(win))
         if (hot and load < self.scale) or (not hot and load > self.scale):

@@ -9,22 +9,27 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
+from slofleet.api.contract import (
+    GENERATION_TOKENS,
+    ITL,
+    KV_USAGE,
+    NUM_RUNNING,
+    NUM_WAITING,
+    PREEMPTIONS,
+    PROMPT_TOKENS,
+    QUEUED_PROMPT_TOKENS,
+    REQUEST_SUCCESS,
+    TTFT,
+    Sample,
+    parse_samples,
+)
 
-GAUGES = {
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:num_requests_running": "running",
-    "vllm:kv_cache_usage_perc": "kv_usage",
-    "slofleet:queued_prompt_tokens": "queued_prompt_tokens",
-}
-COUNTERS = {
-    "vllm:num_preemptions_total": "preemptions",
-    "vllm:prompt_tokens_total": "prompt_tokens",
-    "vllm:generation_tokens_total": "generation_tokens",
-    "vllm:request_success_total": "finished",
-}
-HISTOGRAMS = {"vllm:time_to_first_token_seconds": "ttft", "vllm:inter_token_latency_seconds": "itl"}
+GAUGES = {NUM_WAITING: "waiting", NUM_RUNNING: "running", KV_USAGE: "kv_usage",
+          QUEUED_PROMPT_TOKENS: "queued_prompt_tokens"}
+# Counters are exposed with the `_total` suffix on their (contract) base names.
+COUNTERS = {f"{PREEMPTIONS}_total": "preemptions", f"{PROMPT_TOKENS}_total": "prompt_tokens",
+            f"{GENERATION_TOKENS}_total": "generation_tokens", f"{REQUEST_SUCCESS}_total": "finished"}
+HISTOGRAMS = {TTFT: "ttft", ITL: "itl"}
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ class RoleSignals:
 
 def parse(text: str, role: str, t: float) -> RoleSignals:
     """One pod's /metrics text. Unknown metrics are ignored; labels other than `bucket` are summed over."""
-    return from_samples([s for family in text_string_to_metric_families(text) for s in family.samples], role, t)
+    return from_samples(parse_samples(text), role, t)
 
 
 def from_samples(samples: Iterable[Sample], role: str, t: float) -> RoleSignals:

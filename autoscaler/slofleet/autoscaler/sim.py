@@ -23,6 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
+from slofleet.api.contract import UNIFIED
+
 from .policy import SLO, Decision, Fleet
 from .profiles import Profile
 from .signals import Histogram, RoleSignals, Window, window
@@ -176,7 +178,7 @@ def simulate(trace: Trace, ctrl: Controller, cfg: SimConfig, name: str = "") -> 
         # -- metrics and control
         if t1 % cfg.scrape_s < dt / 2 or cfg.scrape_s - t1 % cfg.scrape_s < dt / 2:
             snaps.append(RoleSignals(
-                "unified", t1, pods=serving, waiting=float(arrived - done_pre), running=float(B),
+                UNIFIED, t1, pods=serving, waiting=float(arrived - done_pre), running=float(B),
                 kv_usage=K / (prof.kv_tokens * serving) if serving else 0.0, queued_prompt_tokens=queued,
                 preemptions=cum["preempt"], prompt_tokens=cum["prompt"], generation_tokens=cum["gen"],
                 finished=cum["fin"],

@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="gpu", help="gpu (published H100 figures), cpu (measured here) or a JSON path")
     p.add_argument("--ttft", type=float, help="TTFT target in seconds (default: per trace and profile)")
     p.add_argument("--tpot", type=float, help="TPOT target in seconds (default: per trace and profile)")
-    p.add_argument("--target", type=float, default=0.95, help="attainment target")
+    p.add_argument("--target", type=float, default=SLO.target, help="attainment target")
     p.add_argument("--peak-replicas", type=float, default=20.0, help="synthesized days need about this many at peak")
     p.add_argument("--replay-replicas", type=float, default=2.0, help="real traces need about this many at mean")
     p.add_argument("--hours", type=float, default=24.0, help="length of a synthesized day")

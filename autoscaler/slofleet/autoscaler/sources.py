@@ -12,14 +12,16 @@ import time
 import urllib.parse
 import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
+from slofleet.api.contract import ROUTER_HELD, Sample, parse_samples, sum_by_name
 
 from .signals import RoleSignals, from_samples, parse
 
-HELD = "slofleet:router_held_requests"  # the router's gauge of requests held while a role has no replica
 # What the policy reads; federating only these keeps the answer small.
 FEDERATE_MATCH = '{{__name__=~"vllm:.*|slofleet:.*",namespace="{namespace}",service="{service}"}}'
+
+
+def scrape_error(where: str, e: Exception) -> None:
+    print(json.dumps({"scrape_error": where, "error": str(e)}), file=sys.stderr, flush=True)
 
 
 def fetch(url: str, timeout: float) -> str | None:
@@ -27,7 +29,7 @@ def fetch(url: str, timeout: float) -> str | None:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.read().decode()
     except (OSError, ValueError) as e:
-        print(json.dumps({"scrape_error": url, "error": str(e)}), file=sys.stderr, flush=True)
+        scrape_error(url, e)
         return None
 
 
@@ -39,16 +41,20 @@ def scrape(url: str, role: str, timeout: float) -> RoleSignals | None:
     try:
         return parse(text, role, time.time())
     except ValueError as e:  # a half-written answer: missing data as well
-        print(json.dumps({"scrape_error": url, "error": str(e)}), file=sys.stderr, flush=True)
+        scrape_error(url, e)
         return None
 
 
 def held_requests(url: str, timeout: float) -> float | None:
-    """A router pod's held requests (summed over its labels); None when it did not answer."""
+    """A router pod's held requests (summed over its labels); None when it did not answer readably."""
     text = fetch(url.rstrip("/") + "/metrics", timeout)
     if text is None:
         return None
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == HELD)
+    try:
+        return sum_by_name(parse_samples(text), {ROUTER_HELD})[ROUTER_HELD]
+    except ValueError as e:
+        scrape_error(url, e)
+        return None
 
 
 def federate(prometheus: str, namespace: str, service: str, role: str, timeout: float) -> list[RoleSignals]:
@@ -61,11 +67,10 @@ def federate(prometheus: str, namespace: str, service: str, role: str, timeout: 
         return []
     by_pod: dict[str, list[Sample]] = {}
     try:
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                by_pod.setdefault(s.labels.get("pod") or s.labels.get("instance", ""), []).append(s)
+        for s in parse_samples(text):
+            by_pod.setdefault(s.labels.get("pod") or s.labels.get("instance", ""), []).append(s)
     except ValueError as e:
-        print(json.dumps({"scrape_error": prometheus, "error": str(e)}), file=sys.stderr, flush=True)
+        scrape_error(prometheus, e)
         return []
     now = time.time()
     return [from_samples(samples, role, max((s.timestamp for s in samples if s.timestamp), default=now))
