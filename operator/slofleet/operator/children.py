@@ -8,6 +8,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from slofleet.api.contract import DECODE, ROLE_LABEL, SERVICE_LABEL, UNIFIED
 from slofleet.api.v1alpha1 import API_VERSION, Bucket, LLMService, Pool, RoleAutoscaling
 from slofleet.operator import router
 from slofleet.operator.podspec import labels, pod_template
@@ -34,7 +35,7 @@ def endpoint(svc: LLMService) -> str:
     m, ns = svc.metadata, svc.metadata.get("namespace", "default")
     if svc.spec.router.enabled:
         return f"http://{router.name_of(svc)}.{ns}.svc:{svc.spec.router.port}"
-    role = "unified" if svc.spec.topology.mode == "unified" else "decode"
+    role = UNIFIED if svc.spec.topology.mode == "unified" else DECODE
     return f"http://{m['name']}-{role}.{ns}.svc:{svc.spec.engine.port}"
 
 
@@ -68,7 +69,7 @@ def deployment(svc: LLMService, role: str, count: int, inputs: Inputs, cm: dict)
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(svc, f"{name}-{role}", role),
         "spec": {
             "replicas": count,
-            "selector": {"matchLabels": {"slofleet.dev/service": name, "slofleet.dev/role": role}},
+            "selector": {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: role}},
             # Surge, never drop below the count: a new engine must load its model before an old one drains.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": pod_template(svc, role, inputs.buckets, cm["metadata"]["name"], config_hash(cm)),
@@ -79,20 +80,20 @@ def deployment(svc: LLMService, role: str, count: int, inputs: Inputs, cm: dict)
 def service(svc: LLMService, role: str) -> dict:
     name = svc.metadata["name"]
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc, f"{name}-{role}", role),
-            "spec": {"selector": {"slofleet.dev/service": name, "slofleet.dev/role": role},
+            "spec": {"selector": {SERVICE_LABEL: name, ROLE_LABEL: role},
                      "ports": [{"name": "http", "port": svc.spec.engine.port, "targetPort": "http"}]}}
 
 
 def pdb(svc: LLMService) -> dict:
     name = svc.metadata["name"]
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(svc, name),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"slofleet.dev/service": name}}}}
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {SERVICE_LABEL: name}}}}
 
 
 def service_monitor(svc: LLMService) -> dict:
     name = svc.metadata["name"]
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": _meta(svc, name),
-            "spec": {"selector": {"matchLabels": {"slofleet.dev/service": name}},
+            "spec": {"selector": {"matchLabels": {SERVICE_LABEL: name}},
                      "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}]}}
 
 

@@ -11,13 +11,14 @@ import time
 
 import kopf
 
+from slofleet.api.contract import MANAGED_BY
 from slofleet.api.v1alpha1 import GROUP, VERSION
 from slofleet.operator import kube as kube_mod
 from slofleet.operator import metrics, router
 from slofleet.operator.reconcile import reconcile
 
 PLURAL = "llmservices"
-MANAGED = {"app.kubernetes.io/managed-by": "slofleet-operator"}
+RETRY_SECONDS = 10  # after a failure a retry may cure (API server unreachable, a conflict, throttling, a bug)
 _kube: kube_mod.Kube | None = None
 # Triggers for one service arrive in bursts (every pod readiness change is a Deployment event). One reconcile
 # runs per service at a time; triggers meanwhile mark it dirty and it runs once more, on a fresh read.
@@ -66,7 +67,10 @@ def reconcile_once(body: dict, trigger: str) -> None:
     except Exception as e:
         metrics.RECONCILES.labels(trigger, "error").inc()
         kopf.warn(body, reason="ReconcileFailed", message=str(e)[:500])
-        raise
+        # kopf retries any other exception forever; a refusal stands until the resource (or the operator) changes
+        if kube_mod.permanent(e):
+            raise kopf.PermanentError(str(e)[:500]) from e
+        raise kopf.TemporaryError(str(e)[:500], delay=RETRY_SECONDS) from e
     finally:
         metrics.DURATION.observe(time.monotonic() - start)
     metrics.RECONCILES.labels(trigger, "ok").inc()
@@ -110,7 +114,7 @@ def register(resync_seconds: float, router_cluster_role: str) -> None:
     for group_version, plural in (("v1", "configmaps"), ("apps/v1", "deployments"), ("v1", "services"),
                                   ("policy/v1", "poddisruptionbudgets"), ("v1", "serviceaccounts"),
                                   ("rbac.authorization.k8s.io/v1", "rolebindings")):
-        kopf.on.event(group_version, plural, labels=MANAGED)(on_child_event)
+        kopf.on.event(group_version, plural, labels=MANAGED_BY)(on_child_event)
 
 
 def on_child_event(body: kopf.Body, type: str | None, **_) -> None:

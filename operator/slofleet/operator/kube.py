@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import time
 
-from kubernetes import client, config, dynamic
+from kubernetes import client, dynamic
+from kubernetes.client.rest import ApiException
 from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 
+from slofleet.api.contract import SERVICE_LABEL, load_kube_config
 from slofleet.api.v1alpha1 import API_VERSION
 
 FIELD_MANAGER = "slofleet-operator"
@@ -20,11 +22,15 @@ CHILD_KINDS = [("v1", "ConfigMap"), ("apps/v1", "Deployment"), ("v1", "Service")
 
 
 def connect() -> dynamic.DynamicClient:
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
+    load_kube_config()
     return dynamic.DynamicClient(client.ApiClient())
+
+
+def permanent(e: BaseException) -> bool:
+    """The API server refused in a way a retry does not change (422 invalid, 403 forbidden, ...): a 4xx answer
+    other than 409 Conflict (written meanwhile) and 429 Too Many Requests. The dynamic client's errors are
+    ApiExceptions too."""
+    return isinstance(e, ApiException) and e.status is not None and 400 <= e.status < 500 and e.status not in (409, 429)
 
 
 class Kube:
@@ -71,7 +77,7 @@ class Kube:
             if not self.has_kind(api_version, kind):
                 continue
             items = self._res(api_version, kind).get(namespace=namespace,
-                                                     label_selector=f"slofleet.dev/service={service}").to_dict()
+                                                     label_selector=f"{SERVICE_LABEL}={service}").to_dict()
             for item in items.get("items", []):
                 item.setdefault("apiVersion", api_version)
                 item.setdefault("kind", kind)

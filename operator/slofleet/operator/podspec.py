@@ -1,19 +1,20 @@
 """Pure: the engine pod template of one role (the `slofleet serve` command line, probes, resources, volumes)."""
 from __future__ import annotations
 
+from slofleet.api.contract import MANAGED_BY, ROLE_LABEL, SERVICE_LABEL
 from slofleet.api.v1alpha1 import Bucket, LLMService
 
 CONFIG_DIR = "/etc/slofleet"
 MODEL_VOLUME = "model"
 GPU = "nvidia.com/gpu"
 DRAIN_SLACK_SECONDS = 10
+CONFIG_HASH = "slofleet.dev/config-hash"  # pod template annotation: a policy change rolls the pods that read it
 
 
 def labels(name: str, role: str | None = None, app: str = "slofleet-engine") -> dict[str, str]:
-    out = {"app.kubernetes.io/name": app, "app.kubernetes.io/instance": name,
-           "app.kubernetes.io/managed-by": "slofleet-operator", "slofleet.dev/service": name}
+    out = {"app.kubernetes.io/name": app, "app.kubernetes.io/instance": name, **MANAGED_BY, SERVICE_LABEL: name}
     if role:
-        out["slofleet.dev/role"] = role
+        out[ROLE_LABEL] = role
     return out
 
 
@@ -103,5 +104,5 @@ def pod_template(svc: LLMService, role: str, buckets: list[Bucket], config_map: 
         spec["initContainers"] = inits
     if e.gpus:
         spec["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
-    return {"metadata": {"labels": labels(name, role), "annotations": {"slofleet.dev/config-hash": config_hash}},
+    return {"metadata": {"labels": labels(name, role), "annotations": {CONFIG_HASH: config_hash}},
             "spec": spec}

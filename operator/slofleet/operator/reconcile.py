@@ -5,9 +5,9 @@ an event on a child) and from tests.
 """
 from __future__ import annotations
 
-import datetime as dt
 from dataclasses import dataclass, field
 
+from slofleet.api.contract import ROLE_LABEL, now
 from slofleet.api.v1alpha1 import Bucket, LLMService, SLOPolicy
 from slofleet.operator import children, router, status
 from slofleet.operator.kube import Kube
@@ -20,10 +20,6 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     status: dict = field(default_factory=dict)
-
-
-def now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def resolve_buckets(kube: Kube, svc: LLMService, out: Outcome) -> list[Bucket]:
@@ -64,7 +60,7 @@ def reconcile(kube: Kube, body: dict, router_cluster_role: str = router.DEFAULT_
     roles = {}
     for d in wanted:
         if d["kind"] == "Deployment":
-            role = d["metadata"]["labels"]["slofleet.dev/role"]
+            role = d["metadata"]["labels"][ROLE_LABEL]
             roles[role] = status.observe(applied[f"Deployment/{d['metadata']['name']}"], d["spec"]["replicas"])
     previous = body.get("status") or {}
     out.status = status.status_patch(roles, svc.metadata.get("generation", 0), children.endpoint(svc),

@@ -8,10 +8,11 @@ per service in the service's namespace: the operator only needs `bind` on that C
 """
 from __future__ import annotations
 
+from slofleet.api.contract import ROLE_LABEL, ROUTER, SERVICE_LABEL
 from slofleet.api.v1alpha1 import LLMService
-from slofleet.operator.podspec import CONFIG_DIR, DRAIN_SLACK_SECONDS, labels, probe
+from slofleet.operator.podspec import CONFIG_DIR, CONFIG_HASH, DRAIN_SLACK_SECONDS, labels, probe
 
-ROLE = "router"
+ROLE = ROUTER
 DEFAULT_CLUSTER_ROLE = "slofleet-router"
 
 
@@ -51,7 +52,7 @@ def pod_template(svc: LLMService, config_map: str, config_hash: str) -> dict:
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
                             "readOnlyRootFilesystem": True},
     }
-    return {"metadata": {"labels": router_labels(svc), "annotations": {"slofleet.dev/config-hash": config_hash}},
+    return {"metadata": {"labels": router_labels(svc), "annotations": {CONFIG_HASH: config_hash}},
             "spec": {"serviceAccountName": name_of(svc), "containers": [container],
                      "volumes": [{"name": "config", "configMap": {"name": config_map}}],
                      "terminationGracePeriodSeconds": e.drain_seconds + DRAIN_SLACK_SECONDS,
@@ -60,7 +61,7 @@ def pod_template(svc: LLMService, config_map: str, config_hash: str) -> dict:
 
 def children(svc: LLMService, owner: dict, cluster_role: str, config_map: str, config_hash: str) -> list[dict]:
     """ServiceAccount, RoleBinding, Deployment, Service, each owned by `owner` (an owner reference)."""
-    name, selector = name_of(svc), {"slofleet.dev/service": svc.metadata["name"], "slofleet.dev/role": ROLE}
+    name, selector = name_of(svc), {SERVICE_LABEL: svc.metadata["name"], ROLE_LABEL: ROLE}
 
     def md() -> dict:
         return {"name": name, "namespace": svc.metadata.get("namespace", "default"), "labels": router_labels(svc),

@@ -33,7 +33,8 @@ def _condition(type_: str, ok: bool, reason: str, message: str, generation: int,
     status = "True" if ok else "False"
     prev = previous.get(type_)
     # lastTransitionTime moves only when the status flips, as Kubernetes conventions ask.
-    since = prev["lastTransitionTime"] if prev and prev.get("status") == status and prev.get("lastTransitionTime") else now
+    kept = prev and prev.get("status") == status and prev.get("lastTransitionTime")
+    since = prev["lastTransitionTime"] if kept else now
     return {"type": type_, "status": status, "reason": reason, "message": message,
             "lastTransitionTime": since, "observedGeneration": generation}
 
