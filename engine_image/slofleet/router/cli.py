@@ -5,7 +5,7 @@ import argparse
 import logging
 import typing
 
-from slofleet.api.contract import DECODE, PREFILL, ROLE_LABEL, SERVICE_LABEL, UNIFIED
+from slofleet.api.contract import DECODE, PREFILL, REPLICA_HEADER, ROLE_LABEL, SERVICE_LABEL, UNIFIED
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between replica probes")
     parser.add_argument("--grace-period", type=float, default=30.0,
                         help="seconds open streams get to finish after SIGTERM")
-    parser.add_argument("--replica-header", action="store_true", help="answer with x-slofleet-replica")
+    parser.add_argument("--replica-header", action="store_true", help=f"answer with {REPLICA_HEADER}")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 

@@ -6,6 +6,8 @@ import logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from slofleet.operator.router import DEFAULT_CLUSTER_ROLE
+
     parser.add_argument("--namespace", "-n", action="append", default=[],
                         help="namespace to watch (repeatable); default: all namespaces")
     parser.add_argument("--standalone", action="store_true",
@@ -15,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0: off)")
     parser.add_argument("--health-port", type=int, default=8081, help="liveness endpoint port, /healthz (0: off)")
     parser.add_argument("--resync-seconds", type=float, default=30.0, help="periodic re-reconcile of every service")
-    parser.add_argument("--router-cluster-role", default="slofleet-router",
+    parser.add_argument("--router-cluster-role", default=DEFAULT_CLUSTER_ROLE,
                         help="ClusterRole each LLMService's router is bound to (listing EndpointSlices)")
     parser.add_argument("--verbose", action="store_true")
 
