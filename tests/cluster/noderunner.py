@@ -228,9 +228,11 @@ def probe_url(container: dict, ip: str) -> str | None:
 
 
 def relocate(text: str, local: dict[str, str]) -> str:
-    for mount, path in local.items():
-        text = text.replace(mount, path)
-    return text
+    # One pass, longest mount first: a local folder (under /tmp) must not be rewritten again by a /tmp mount.
+    if not local:
+        return text
+    pattern = "|".join(re.escape(m) for m in sorted(local, key=len, reverse=True))
+    return re.sub(pattern, lambda m: local[m.group(0)], text)
 
 
 def main() -> int:

@@ -21,7 +21,9 @@ from tests.k8s.test_operator import UNIFIED, apply, condition, operator  # noqa:
 STABILIZE_S = 20
 SPEC = {"engine": {**UNIFIED["engine"], "maxNumSeqs": 2, "kvCacheMemoryGb": 0.25, "maxModelLen": 1024,
                    # the pod's PATH finds the real CLI, not the operator tests' fake engine
-                   "env": {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin"}},
+                   "env": {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+                           # the machine's converted model, not a fresh emptyDir's conversion per pod
+                           "SLOFLEET_CACHE": os.path.expanduser("~/.cache/slofleet")}},
         "topology": {"unified": {"minReplicas": 1, "maxReplicas": 2}},
         "autoscaling": {"enabled": True, "intervalSeconds": 2, "scaleDownStabilizationSeconds": STABILIZE_S}}
 

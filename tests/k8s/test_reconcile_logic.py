@@ -162,7 +162,7 @@ def test_resources_and_gpus():
 
 def test_model_sources():
     emb = build(svc({"model": {"name": "default"}}))["Deployment/s-unified"]["spec"]["template"]["spec"]
-    assert [v["name"] for v in emb["volumes"]] == ["config"] and "initContainers" not in emb
+    assert [v["name"] for v in emb["volumes"]] == ["tmp", "cache", "config"] and "initContainers" not in emb
     pvc = build(svc({"model": {"name": "llama.gguf", "source": "pvc", "pvcName": "weights", "path": "/w"}}))
     pod = pvc["Deployment/s-unified"]["spec"]["template"]["spec"]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]

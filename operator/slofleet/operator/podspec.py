@@ -9,6 +9,8 @@ MODEL_VOLUME = "model"
 GPU = "nvidia.com/gpu"
 DRAIN_SLACK_SECONDS = 10
 CONFIG_HASH = "slofleet.dev/config-hash"  # pod template annotation: a policy change rolls the pods that read it
+CACHE_DIR = "/var/cache/slofleet"
+SCRATCH_ENV = {"HOME": "/tmp", "TMPDIR": "/tmp", "SLOFLEET_CACHE": CACHE_DIR}
 
 
 def labels(name: str, role: str | None = None, app: str = "slofleet-engine") -> dict[str, str]:
@@ -16,6 +18,15 @@ def labels(name: str, role: str | None = None, app: str = "slofleet-engine") -> 
     if role:
         out[ROLE_LABEL] = role
     return out
+
+
+def restricted(pod: bool = False) -> dict:
+    """A fresh securityContext meeting the "restricted" Pod Security Standard, for a pod or for each of its
+    containers (init containers too), with a read-only root filesystem."""
+    if pod:
+        return {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
 
 
 def bucket_priorities(buckets: list[Bucket]) -> str:
@@ -58,10 +69,13 @@ def probe(path: str, port: int, period: int, failures: int) -> dict:
 
 
 def _volumes(svc: LLMService, config_map: str) -> tuple[list[dict], list[dict], list[dict]]:
-    """(volumes, engine mounts, init containers) for the bucket policy and the model weights."""
+    """(volumes, engine mounts, init containers) for scratch space, the bucket policy and the model weights."""
     m = svc.spec.model
-    volumes = [{"name": "config", "configMap": {"name": config_map}}]
-    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    # The root filesystem is read-only: /tmp (HOME and TMPDIR) and the converted-model cache are emptyDirs.
+    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}},
+               {"name": "config", "configMap": {"name": config_map}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR},
+              {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
     inits: list[dict] = []
     if m.source == "pvc":
         volumes.append({"name": MODEL_VOLUME, "persistentVolumeClaim": {"claimName": m.pvc_name, "readOnly": True}})
@@ -70,7 +84,9 @@ def _volumes(svc: LLMService, config_map: str) -> tuple[list[dict], list[dict], 
         volumes.append({"name": MODEL_VOLUME, "emptyDir": {}})
         mounts.append({"name": MODEL_VOLUME, "mountPath": m.path, "readOnly": True})
         inits.append({"name": "fetch-model", "image": m.init_image, "command": list(m.init_command or []),
-                      "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": m.path}]})
+                      "env": [{"name": k, "value": v} for k, v in SCRATCH_ENV.items()],
+                      "volumeMounts": [dict(mounts[0]), {"name": MODEL_VOLUME, "mountPath": m.path}],
+                      "securityContext": restricted()})
     return volumes, mounts, inits
 
 
@@ -80,7 +96,7 @@ def pod_template(svc: LLMService, role: str, buckets: list[Bucket], config_map: 
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "SLOFLEET_CONFIG_DIR", "value": CONFIG_DIR}]
-    env += [{"name": k, "value": v} for k, v in sorted(e.env.items())]
+    env += [{"name": k, "value": v} for k, v in sorted({**SCRATCH_ENV, **e.env}.items())]  # the user's win
     container = {
         "name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy,
         "command": ["slofleet", "serve"], "args": serve_args(svc, role, buckets), "env": env,
@@ -92,13 +108,14 @@ def pod_template(svc: LLMService, role: str, buckets: list[Bucket], config_map: 
         "livenessProbe": probe("/health", e.port, 10, 3),
         "readinessProbe": probe("/ready", e.port, 2, 2),
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": restricted(),
     }
     spec: dict = {
         "containers": [container], "volumes": volumes,
         # The engine drains for drain_seconds after SIGTERM; the kubelet waits a little longer before SIGKILL.
         "terminationGracePeriodSeconds": e.drain_seconds + DRAIN_SLACK_SECONDS,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
+        "securityContext": restricted(pod=True),
+        "automountServiceAccountToken": False,  # an engine never calls the API server
     }
     if inits:
         spec["initContainers"] = inits

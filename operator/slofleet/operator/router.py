@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from slofleet.api.contract import ROLE_LABEL, ROUTER, SERVICE_LABEL
 from slofleet.api.v1alpha1 import LLMService
-from slofleet.operator.podspec import CONFIG_DIR, CONFIG_HASH, DRAIN_SLACK_SECONDS, labels, probe
+from slofleet.operator.podspec import CONFIG_DIR, CONFIG_HASH, DRAIN_SLACK_SECONDS, labels, probe, restricted
 
 ROLE = ROUTER
 DEFAULT_CLUSTER_ROLE = "slofleet-router"
@@ -48,15 +48,17 @@ def pod_template(svc: LLMService, config_map: str, config_hash: str) -> dict:
         # its Service to hold requests, which is what the autoscaler scales up from zero on.
         "readinessProbe": probe("/health", r.port, 2, 2),
         "livenessProbe": probe("/health", r.port, 10, 3),
-        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-                            "readOnlyRootFilesystem": True},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "securityContext": restricted(),
     }
+    # It keeps its ServiceAccount token: it lists the engines' EndpointSlices.
     return {"metadata": {"labels": router_labels(svc), "annotations": {CONFIG_HASH: config_hash}},
             "spec": {"serviceAccountName": name_of(svc), "containers": [container],
-                     "volumes": [{"name": "config", "configMap": {"name": config_map}}],
+                     "volumes": [{"name": "tmp", "emptyDir": {}},
+                                 {"name": "config", "configMap": {"name": config_map}}],
                      "terminationGracePeriodSeconds": e.drain_seconds + DRAIN_SLACK_SECONDS,
-                     "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001}}}
+                     "securityContext": restricted(pod=True)}}
 
 
 def children(svc: LLMService, owner: dict, cluster_role: str, config_map: str, config_hash: str) -> list[dict]:
