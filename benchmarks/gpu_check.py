@@ -208,7 +208,7 @@ def teacher_forced_logits(path: Path, s: dict, device: torch.device) -> dict[str
         pool = list(range(r.kv_caches[0][0].shape[0]))
         random.Random(1).shuffle(pool)
         tables = [pool[i * per:(i + 1) * per] for i in range(n)]
-        reqs = [Request(f"tf{i}", ids, SamplingParams(max_tokens=1), 1) for i, ids in enumerate(seqs)]
+        reqs = [Request(request_id=f"tf{i}", prompt_token_ids=ids, params=SamplingParams(max_tokens=1), max_tokens=1) for i, ids in enumerate(seqs)]
         out = []
         for step in range(s["tf_steps"] + 1):
             sizes = [prefill[i] if step == 0 else 7 if step % 4 == 0 and i == step // 4 % n else 1 for i in range(n)]

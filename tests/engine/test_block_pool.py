@@ -6,13 +6,14 @@ import random
 import pytest
 
 from slofleet.engine.block_pool import BlockPool, hash_block
+from slofleet.engine.errors import PoolExhausted
 from slofleet.engine.kv_cache_manager import KVCacheManager
 from slofleet.engine.request import Request
 from slofleet.engine.sampling_params import SamplingParams
 
 
 def req(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, SamplingParams(), max_tokens=16)
+    return Request(request_id=rid, prompt_token_ids=tokens, params=SamplingParams(), max_tokens=16)
 
 
 def invariant(pool: BlockPool) -> None:
@@ -26,7 +27,7 @@ def test_allocate_release_and_refuse_when_short():
     pool = BlockPool(4)
     a = pool.allocate(3)
     invariant(pool)
-    with pytest.raises(MemoryError):
+    with pytest.raises(PoolExhausted):
         pool.allocate(2)
     pool.release(a)
     invariant(pool)

@@ -36,7 +36,7 @@ def make(**kw) -> LLMEngine:
 def test_eight_mixed_prompts_together(chat_ids, reference):
     engine = make()
     reqs = check(engine, chat_ids, reference)
-    assert engine.stats.steps < len(chat_ids) * MAX_NEW  # batched, not one by one
+    assert engine.stats().steps.steps < len(chat_ids) * MAX_NEW  # batched, not one by one
     assert len({r.num_prompt_tokens for r in reqs}) >= 6  # mixed lengths
 
 
@@ -44,9 +44,9 @@ def test_eight_mixed_prompts_together(chat_ids, reference):
 def test_chunked_prefill_budgets(chat_ids, reference, budget, caching):
     engine = make(max_num_batched_tokens=budget, enable_prefix_caching=caching)
     check(engine, chat_ids[:3], reference, max_new=8)
-    assert engine.stats.max_tokens_in_step <= budget
+    assert engine.stats().steps.max_tokens_in_step <= budget
     if budget < max(len(p) for p in chat_ids[:3]):
-        assert engine.stats.steps > 8  # prompts really were split into chunks
+        assert engine.stats().steps.steps > 8  # prompts really were split into chunks
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -54,9 +54,9 @@ def test_prefix_caching(chat_ids, reference, caching):
     engine = make(enable_prefix_caching=caching, block_size=8)
     prompts = chat_ids[:3]
     check(engine, prompts, reference, max_new=8)
-    computed_first = engine.stats.prompt_tokens_computed
+    computed_first = engine.stats().steps.prompt_tokens_computed
     check(engine, prompts, reference, max_new=8)  # the same prompts again
-    computed_second = engine.stats.prompt_tokens_computed - computed_first
+    computed_second = engine.stats().steps.prompt_tokens_computed - computed_first
     if caching:
         assert engine.kv.stats.hits > 0
         assert computed_second < computed_first
@@ -78,4 +78,4 @@ def test_preemption_by_recompute(chat_ids, reference):
     # Room for about two requests at a time: the others are preempted and recomputed.
     engine = make(block_size=8, num_blocks=2 * (-(-need // 8)) + 1, enable_prefix_caching=False)
     check(engine, prompts, reference)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.stats().preemptions > 0

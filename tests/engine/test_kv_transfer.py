@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from slofleet.engine import LLMEngine, SamplingParams
+from slofleet.engine.errors import UpstreamError
 from slofleet.engine.kv_transfer import KVPayload
 
 P = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -37,13 +38,13 @@ def test_decode_continues_from_transferred_kv(engines, chat_ids):
     dec.kv.pool.reset_cache()
     payload = prefill(pre, ids)
     assert payload.num_blocks == -(-len(ids) // 16) and payload.first_token == unified.output_token_ids[0]
-    before = dec.stats.prompt_tokens_computed
+    before = dec.stats().steps.prompt_tokens_computed
     req = dec.add_request(None, P, kv=payload)
     dec.step()  # imports: the blocks are in use before any compute
     assert dec.kv.pool.num_used >= payload.num_blocks
     finish(dec, req)
     assert req.output_token_ids == unified.output_token_ids
-    assert dec.stats.prompt_tokens_computed == before  # 0 prompt tokens computed for it
+    assert dec.stats().steps.prompt_tokens_computed == before  # 0 prompt tokens computed for it
     assert dec.kv.pool.num_free == dec.kv.pool.num_blocks
 
 
@@ -67,6 +68,8 @@ def test_payload_for_other_tokens_is_refused(engines, chat_ids):
     pre, dec = engines
     payload = prefill(pre, chat_ids[6])
     payload.block_hashes[0] = "00" * 16
-    req = dec.add_request(None, P, kv=payload)
-    out = finish(dec, req)[-1]
-    assert out.finish_reason == "error" and dec.kv.pool.num_free == dec.kv.pool.num_blocks
+    cached = dict(dec.kv.pool.cached)
+    with pytest.raises(UpstreamError, match="block hashes"):
+        dec.add_request(None, P, kv=payload)
+    assert not dec.has_unfinished() and dec.kv.pool.num_free == dec.kv.pool.num_blocks
+    assert dec.kv.pool.cached == cached  # refused before any block was allocated or registered

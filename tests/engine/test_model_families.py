@@ -38,7 +38,8 @@ def test_logits_match_transformers(tmp_path, family):
         ref = torch.stack([hf(torch.tensor([x])).logits[0] for x in ids])  # [2, 37, V]
     # Ours: both prompts in one flat batch, split into a prefill chunk then single-token decodes,
     # so the cached-context paths of the attention are exercised too.
-    reqs = [Request(f"r{i}", x, SamplingParams(), max_tokens=1) for i, x in enumerate(ids)]
+    reqs = [Request(request_id=f"r{i}", prompt_token_ids=x, params=SamplingParams(), max_tokens=1)
+            for i, x in enumerate(ids)]
     tables = [[0, 1, 2, 3, 4], [7, 6, 5, 9, 8]]
     got = [[None] * 37 for _ in reqs]
     chunks = [30, 1, 1, 1, 1, 1, 1, 1]

@@ -13,7 +13,7 @@ V = 10
 
 
 def make(params: SamplingParams, out: list[int] = (), prompt: list[int] = (0,), rid: str = "r") -> Request:
-    r = Request(rid, list(prompt), params, max_tokens=100)
+    r = Request(request_id=rid, prompt_token_ids=list(prompt), params=params, max_tokens=100)
     r.output_token_ids = list(out)
     return r
 

@@ -76,4 +76,4 @@ def test_chat_goes_ahead_of_a_long_prefill_in_progress():
     engine.step()
     assert doc.num_computed_tokens == 32  # and the document goes on at full budget once the chat is out
     assert drain(engine) == ["doc"]
-    assert engine.stats.max_tokens_in_step <= 16
+    assert engine.stats().steps.max_tokens_in_step <= 16

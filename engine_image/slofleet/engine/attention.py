@@ -9,6 +9,7 @@ CPU path and the test oracle; the Triton kernels implement the same signature.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,14 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     # Set once per batch by the torch backend and reused by every layer.
     cache: dict | None = None
+
+
+class AttentionBackend(Protocol):
+    """What the model calls in every layer: store the new K/V in their slots, attend, return [T, heads, dim]."""
+    block_size: int
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
 
 class TorchAttention:

@@ -6,8 +6,10 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from .errors import PoolExhausted
 
-@dataclass
+
+@dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
@@ -53,7 +55,7 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[Block]:
         if n > len(self.free):
-            raise MemoryError(f"asked for {n} KV blocks, {len(self.free)} free")
+            raise PoolExhausted(f"asked for {n} KV blocks, {len(self.free)} free")
         out = []
         for _ in range(n):
             _, block = self.free.popitem(last=False)

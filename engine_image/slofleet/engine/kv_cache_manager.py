@@ -7,7 +7,7 @@ from .block_pool import Block, BlockPool, hash_block
 from .request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class PrefixStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # prompt tokens found cached
@@ -26,12 +26,20 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, ())]
 
+    def chain(self, token_ids: list[int], parent: bytes | None = None) -> list[bytes]:
+        """The hash chain over every full block of token_ids, continuing from parent."""
+        out, bs = [], self.block_size
+        for i in range(len(token_ids) // bs):
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
+            out.append(parent)
+        return out
+
     def _update_hashes(self, req: Request, num_tokens: int) -> None:
         """Extend the request's hash chain over every full block of its first num_tokens tokens."""
-        bs = self.block_size
-        for i in range(len(req.block_hashes), num_tokens // bs):
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes.append(hash_block(parent, [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]))
+        done, bs = len(req.block_hashes), self.block_size
+        if num_tokens // bs > done:
+            tokens = req.token_ids()[done * bs:num_tokens // bs * bs]
+            req.block_hashes += self.chain(tokens, req.block_hashes[-1] if done else None)
 
     def computed_blocks(self, req: Request) -> tuple[list[Block], int]:
         """Longest cached prefix of full blocks. The last token is always left to compute,

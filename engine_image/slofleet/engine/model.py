@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from .attention import AttentionMetadata, TorchAttention
+from .attention import AttentionBackend, AttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -93,7 +93,7 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, attention: TorchAttention):
+    def __init__(self, config, attention: AttentionBackend):
         super().__init__()
         h, self.n_heads, self.n_kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or h // self.n_heads
@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config, attention: TorchAttention, max_len: int):
+    def __init__(self, config, attention: AttentionBackend, max_len: int):
         super().__init__()
         arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -136,8 +136,9 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, self.layers[0].head_dim, max_len)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) for the rows in logits_indices only: prompt positions never reach the LM head."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.at(positions)

@@ -4,8 +4,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .kv_transfer import KVPayload
 
 
 class Status(enum.Enum):
@@ -14,12 +18,29 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-# Lifecycle event names; metrics and the per-request log line are computed from these alone.
-ARRIVED, QUEUED, SCHEDULED, FIRST_TOKEN, PREEMPTED, FINISHED = (
-    "arrived", "queued", "scheduled", "first_token", "preempted", "finished")
+class Event(enum.Enum):
+    """Lifecycle events; metrics and the per-request log line are computed from these alone."""
+    ARRIVED = "arrived"
+    QUEUED = "queued"
+    SCHEDULED = "scheduled"
+    FIRST_TOKEN = "first_token"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
 
 
-@dataclass(eq=False)  # identity semantics: requests are compared and removed by object
+class FinishReason(str, enum.Enum):
+    """Why a request ended; a str so it serialises as the OpenAI API spells it."""
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    DEADLINE = "deadline"  # waited past its deadline before being scheduled
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(eq=False, slots=True, kw_only=True)  # identity semantics: requests are compared and removed by object
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -35,14 +56,14 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_prompt_computed: int = 0  # prompt tokens this engine actually computed (recompute included)
     status: Status = Status.WAITING
-    finish_reason: str | None = None
-    events: list[tuple[str, float]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    events: list[tuple[Event, float]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     export_kv: bool = False  # prefill role: hand the prompt's KV blocks out when the first token is sampled
-    imported: object | None = None  # decode role: a KVPayload to load instead of computing the prompt
+    imported: KVPayload | None = None  # decode role: KV to load instead of computing the prompt
 
     def __post_init__(self) -> None:
-        self.record(ARRIVED, self.arrival_time)
+        self.record(Event.ARRIVED, self.arrival_time)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,16 +88,19 @@ class Request:
         # Lower priority value runs first (vLLM's convention); then earliest deadline, then arrival.
         return (self.priority, self.deadline if self.deadline is not None else float("inf"), self.arrival_time)
 
-    def record(self, name: str, t: float | None = None) -> None:
-        self.events.append((name, time.monotonic() if t is None else t))
+    def record(self, event: Event, t: float | None = None) -> None:
+        self.events.append((event, time.monotonic() if t is None else t))
 
-    def first(self, name: str) -> float | None:
-        return next((t for n, t in self.events if n == name), None)
+    def first(self, event: Event) -> float | None:
+        return next((t for e, t in self.events if e is event), None)
+
+    def count(self, event: Event) -> int:
+        return sum(1 for e, _ in self.events if e is event)
 
     def timings(self) -> dict[str, float]:
         """Queue, prefill, decode and end-to-end seconds, from the lifecycle events."""
-        arrived, sched = self.first(ARRIVED), self.first(SCHEDULED)
-        first_tok, done = self.first(FIRST_TOKEN), self.first(FINISHED)
+        arrived, sched = self.first(Event.ARRIVED), self.first(Event.SCHEDULED)
+        first_tok, done = self.first(Event.FIRST_TOKEN), self.first(Event.FINISHED)
         out: dict[str, float] = {}
         if sched is not None:
             out["queue_s"] = sched - arrived

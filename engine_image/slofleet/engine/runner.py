@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from . import cuda_graphs
-from .attention import AttentionMetadata, TorchAttention
+from .attention import AttentionBackend, AttentionMetadata, TorchAttention
 from .config import EngineConfig
 from .loader import load_config, read_tensors
 from .model import CausalLM
@@ -42,6 +42,7 @@ class ModelRunner:
         self.dtype = pick_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.hf_config = load_config(path)
+        self.attention: AttentionBackend
         if self.device.type == "cuda":
             from .triton_attention import TritonAttention  # lazy: the CPU path never imports triton
             self.attention = TritonAttention(config.block_size)
@@ -88,7 +89,8 @@ class ModelRunner:
             kc[idx] = k[layer].to(device=self.device, dtype=kc.dtype)
             vc[idx] = v[layer].to(device=self.device, dtype=vc.dtype)
 
-    def prepare(self, batch: list[tuple[Request, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, batch: list[tuple[Request, int, list[int]]]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten (request, tokens this step, block table) into model inputs and attention metadata."""
         bs = self.block_size
         ids: list[int] = []

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .errors import InvalidRequest
+
 
 @dataclass
 class SamplingParams:
@@ -42,7 +44,7 @@ class SamplingParams:
         ]
         for ok, msg in checks:
             if not ok:
-                raise ValueError(msg)
+                raise InvalidRequest(msg)
 
     @property
     def greedy(self) -> bool:

@@ -14,19 +14,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
+from .errors import AdmissionError
 from .kv_cache_manager import KVCacheManager
-from .request import PREEMPTED, QUEUED, SCHEDULED, Request, Status
+from .request import Event, Request, Status
 
 
-class AdmissionError(Exception):
-    """The engine is full: the API turns this into 429 with Retry-After."""
-
-    def __init__(self, message: str, retry_after: float = 1.0):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-@dataclass
+@dataclass(slots=True, kw_only=True)
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step)
     preempted: list[Request] = field(default_factory=list)
@@ -43,7 +36,6 @@ class Scheduler:
         self.kv = kv
         self.waiting: list[Request] = []  # kept sorted by Request.sort_key
         self.running: list[Request] = []
-        self.num_preemptions = 0
         self.preemptions_by_bucket: dict[str, int] = {}
         self.admission_refusals = 0
         self.recent_steps: deque[float] = deque(maxlen=32)  # step durations, for Retry-After
@@ -70,7 +62,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
-        req.record(QUEUED)
+        req.record(Event.QUEUED)
         bisect.insort(self.waiting, req, key=Request.sort_key)
 
     def remove(self, req: Request) -> None:
@@ -89,8 +81,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
-        victim.record(PREEMPTED)
-        self.num_preemptions += 1
+        victim.record(Event.PREEMPTED)
         self.preemptions_by_bucket[victim.bucket] = self.preemptions_by_bucket.get(victim.bucket, 0) + 1
         out.preempted.append(victim)
         self.add(victim)
@@ -118,11 +109,11 @@ class Scheduler:
         if not self.kv.allocate(req, num_new, hits):
             return 0
         self.waiting.remove(req)
-        if req.first(SCHEDULED) is None:
+        if req.first(Event.SCHEDULED) is None:
             req.num_cached_tokens = num_cached
         req.num_computed_tokens = num_cached
         req.status = Status.RUNNING
-        req.record(SCHEDULED)
+        req.record(Event.SCHEDULED)
         self.running.append(req)
         out.scheduled.append((req, num_new))
         scheduled.add(id(req))

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine import LLMEngine, RequestOutput
+from ..request import Event
 
 log = logging.getLogger("slofleet.requests")
 
@@ -27,48 +28,39 @@ class EngineCollector:
         self.engine = engine
 
     def collect(self):
-        e, name = self.engine, self.engine.model_name
-        sched, pool = e.scheduler, e.kv.pool
+        st, name = self.engine.stats(), self.engine.model_name
 
-        def gauge(metric: str, doc: str, value: float, extra: dict | None = None):
-            g = GaugeMetricFamily(metric, doc, labels=["model_name", *(extra or {})])
-            g.add_metric([name, *(extra or {}).values()], value)
-            return g
+        def family(kind, metric: str, doc: str, values: dict[tuple[str, ...], float], labels: tuple[str, ...] = ()):
+            f = kind(metric, doc, labels=["model_name", *labels])
+            for key, value in sorted(values.items()):
+                f.add_metric([name, *key], value)
+            return f
+
+        def gauge(metric: str, doc: str, value: float):
+            return family(GaugeMetricFamily, metric, doc, {(): value})
 
         def counter(metric: str, doc: str, value: float):
-            c = CounterMetricFamily(metric, doc, labels=["model_name"])
-            c.add_metric([name], value)
-            return c
+            return family(CounterMetricFamily, metric, doc, {(): value})
 
-        waiting = list(sched.waiting) + list(e.inbox)
-        yield gauge("vllm:num_requests_running", "Requests in the running batch.", len(sched.running))
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", len(waiting))
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", pool.usage())
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", st.running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", st.waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", st.kv_usage)
         yield gauge("slofleet:queued_prompt_tokens", "Prompt tokens not yet computed for waiting requests.",
-                    sum(r.num_tokens - r.num_computed_tokens for r in waiting))
-        yield gauge("slofleet:kv_blocks_total", "KV blocks in the pool.", pool.num_blocks)
-        yield gauge("slofleet:kv_blocks_free", "KV blocks free (cached blocks count as free).", pool.num_free)
-        by_bucket = GaugeMetricFamily("slofleet:num_requests_waiting_by_bucket", "Waiting requests per bucket.",
-                                      labels=["model_name", "bucket"])
-        counts: dict[str, int] = {}
-        for r in waiting:
-            counts[r.bucket] = counts.get(r.bucket, 0) + 1
-        for bucket, n in sorted(counts.items()):
-            by_bucket.add_metric([name, bucket], n)
-        yield by_bucket
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.kv.stats.queries)
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.kv.stats.hits)
+                    st.queued_prompt_tokens)
+        yield gauge("slofleet:kv_blocks_total", "KV blocks in the pool.", st.kv_blocks_total)
+        yield gauge("slofleet:kv_blocks_free", "KV blocks free (cached blocks count as free).", st.kv_blocks_free)
+        yield family(GaugeMetricFamily, "slofleet:num_requests_waiting_by_bucket", "Waiting requests per bucket.",
+                     {(b,): n for b, n in st.waiting_by_bucket.items()}, ("bucket",))
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", st.prefix_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", st.prefix_hits)
         yield counter("vllm:num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
-                      sched.num_preemptions)
+                      st.preemptions)
         yield counter("slofleet:prompt_tokens_computed", "Prompt tokens this engine computed (recompute included; "
-                      "cache hits and transferred KV excluded).", e.stats.prompt_tokens_computed)
+                      "cache hits and transferred KV excluded).", st.steps.prompt_tokens_computed)
         yield counter("slofleet:admission_refusals", "Requests refused by the engine's admission limits.",
-                      sched.admission_refusals)
-        pre = CounterMetricFamily("slofleet:preemptions_by_bucket", "Preemptions per bucket.",
-                                  labels=["model_name", "bucket"])
-        for bucket, n in sorted(dict(sched.preemptions_by_bucket).items()):
-            pre.add_metric([name, bucket], n)
-        yield pre
+                      st.admission_refusals)
+        yield family(CounterMetricFamily, "slofleet:preemptions_by_bucket", "Preemptions per bucket.",
+                     {(b,): n for b, n in st.preemptions_by_bucket.items()}, ("bucket",))
 
 
 class Metrics:
@@ -116,7 +108,7 @@ class Metrics:
         self.success.labels(*labels, out.finish_reason or "unknown").inc()
         log.info(json.dumps({
             "event": "request_finished", "request_id": req.request_id, "bucket": req.bucket,
-            "priority": req.priority, "finish_reason": out.finish_reason, "prompt_tokens": req.num_prompt_tokens,
+            "priority": req.priority, "finish_reason": str(out.finish_reason), "prompt_tokens": req.num_prompt_tokens,
             "cached_tokens": req.num_cached_tokens, "output_tokens": len(req.output_token_ids),
-            "preemptions": sum(1 for n, _ in req.events if n == "preempted"),
+            "preemptions": req.count(Event.PREEMPTED),
             **{k: round(v, 4) for k, v in t.items()}}))

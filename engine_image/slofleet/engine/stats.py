@@ -1,0 +1,39 @@
+"""Immutable snapshots of the engine's counters and gauges: what `/metrics` and tests read, taken between steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, kw_only=True)
+class StepStats:
+    """Cumulative step figures, updated by the engine thread."""
+    steps: int = 0
+    tokens_scheduled: int = 0
+    max_tokens_in_step: int = 0
+    prompt_tokens_computed: int = 0  # recompute included; cache hits and imported KV excluded
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStats:
+    running: int
+    waiting_by_bucket: dict[str, int]  # requests queued or not yet drained from the inbox
+    queued_prompt_tokens: int  # tokens of those requests not yet computed
+    kv_blocks_total: int
+    kv_blocks_free: int  # cached blocks with no reference count as free
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int
+    preemptions_by_bucket: dict[str, int]
+    admission_refusals: int
+    steps: StepStats
+
+    @property
+    def waiting(self) -> int:
+        return sum(self.waiting_by_bucket.values())
+
+    @property
+    def preemptions(self) -> int:
+        return sum(self.preemptions_by_bucket.values())
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total
