@@ -2,56 +2,48 @@
 
 /health answers as soon as the process is up; the model loads and warms in a background thread and
 /ready turns 200 only then. On SIGTERM /ready turns 503 and new requests are refused while in-flight
-ones finish (the server's graceful-shutdown timeout bounds the wait)."""
+ones finish (the server's graceful-shutdown timeout bounds the wait). If the engine loop dies, /health and
+/ready fail at once, open requests get an error and the process exits so that the pod restarts."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
+import hmac
 import logging
+import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+
+from slofleet.api.contract import BUCKET_HEADER, PREFILL_HEADER
 
 from ..config import EngineConfig
 from ..engine import LLMEngine, RequestOutput
-from ..kv_transfer import KVPayload
+from ..errors import AdmissionError, InvalidRequest, UpstreamError
+from ..request import FinishReason
 from ..sampling_params import SamplingParams
-from ..scheduler import AdmissionError
 from .async_engine import AsyncEngine
+from .handoff import fetch_kv
+from .http import ApiError, from_engine, parse, read_body, unavailable
 from .metrics import Metrics
 from .openai_format import chat_handlers, completion_handlers
 from .protocol import ChatCompletionRequest, CompletionRequest, PrefillRequest, SamplingFields
+from .settings import ServerSettings
 
 log = logging.getLogger("slofleet.engine.api")
-BUCKET_HEADER = "x-slofleet-bucket"
-PREFILL_HEADER = "x-slofleet-prefill-url"  # set by the router: pull this prompt's KV from that prefill engine
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+FATAL_EXIT_DELAY = 1.0  # seconds for open requests to receive their error before the process exits
 
 
 class State:
     """What the handlers share: the engine once loaded, and the lifecycle flags."""
 
-    def __init__(self, config: EngineConfig):
-        self.config = config
+    def __init__(self, config: EngineConfig, settings: ServerSettings):
+        self.config, self.settings = config, settings
         self.engine: LLMEngine | None = None
         self.async_engine: AsyncEngine | None = None
         self.metrics: Metrics | None = None
@@ -59,14 +51,19 @@ class State:
         self.draining = False
         self.load_error: BaseException | None = None
 
+    @property
+    def failure(self) -> BaseException | None:
+        return self.load_error or (self.async_engine and self.async_engine.error)
+
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             engine = LLMEngine(self.config)
-            warm = engine.add_request([engine.tokenizer.eos_token_id or 0], SamplingParams(max_tokens=2, ignore_eos=True))
+            warm = engine.add_request([engine.tokenizer.eos_token_id or 0],
+                                      SamplingParams(max_tokens=2, ignore_eos=True))
             while not warm.finished:
                 engine.step()
             self.engine, self.metrics = engine, Metrics(engine)
-            self.async_engine = AsyncEngine(engine, self.metrics.observe)
+            self.async_engine = AsyncEngine(engine, self.metrics.observe, on_fatal=self.exit_soon)
             self.async_engine.start(loop)
             self.ready = True
             log.info("ready: serving %s", engine.model_name)
@@ -74,34 +71,198 @@ class State:
             log.exception("model load failed")
             self.load_error = e
 
+    def exit_soon(self) -> None:
+        """The engine loop died: nothing here can serve again, so let the pod restart."""
+        threading.Timer(FATAL_EXIT_DELAY, os._exit, (3,)).start()
 
-def error_text(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors()[:5]:
-        loc = ".".join(str(x) for x in err["loc"]) or "body"
-        msg = "unknown field: remove it or check its spelling" if err["type"] == "extra_forbidden" else err["msg"]
-        parts.append(f"{loc}: {msg}")
-    return "; ".join(parts)
+    def engine_or_503(self) -> LLMEngine:
+        if self.failure is not None:
+            raise ApiError(500, "the engine failed; this replica is restarting", "server_error")
+        if self.draining:
+            raise unavailable("the server is shutting down; retry on another replica")
+        if not self.ready:
+            raise unavailable("the model is still loading; retry shortly", retry_after=2)
+        return self.engine
 
 
-async def parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
+def state_of(request: Request) -> State:
+    return request.app.state.slofleet
+
+
+async def body_of(request: Request, model: type):
+    s = state_of(request).settings
+    return parse(await read_body(request, s.max_request_bytes, s.request_read_timeout), model)
+
+
+# -- probes and metadata -----------------------------------------------------------------------------------
+async def health(request: Request) -> Response:
+    failed = state_of(request).failure
+    if failed:
+        return PlainTextResponse(f"engine failed: {type(failed).__name__}", status_code=500)
+    return PlainTextResponse("ok")
+
+
+async def ready(request: Request) -> Response:
+    state = state_of(request)
+    if state.ready and not state.draining and state.failure is None:
+        return PlainTextResponse("ready")
+    why = "failed" if state.failure else "draining" if state.draining else "loading"
+    return PlainTextResponse(why, status_code=503)
+
+
+async def metrics(request: Request) -> Response:
+    m = state_of(request).metrics
+    return Response(b"" if m is None else generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request) -> dict:
+    engine = state_of(request).engine_or_503()
+    return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
+                                        "owned_by": "slofleet", "max_model_len": engine.max_model_len}]}
+
+
+# -- generation ----------------------------------------------------------------------------------------------
+async def start(request: Request, body: SamplingFields, prompt: Callable[[LLMEngine], str | list[int]],
+                params: Callable[[], SamplingParams]):
+    """Check, build and queue one request; every refusal here is an ApiError before any byte is sent."""
+    state = state_of(request)
+    engine = state.engine_or_503()
+    if body.model != engine.model_name:
+        raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
+                            f"{engine.model_name!r} (see /v1/models)", param="model")
+    bad = body.unsupported()
+    if bad:
+        raise ApiError(400, f"unsupported parameter(s): {', '.join(bad)}", param=bad[0].split()[0])
+    rid = request.state.request_id
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}")
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        ids_or_text, sampling = prompt(engine), params()
+        kv = None
+        if request.headers.get(PREFILL_HEADER):
+            kv = await fetch_kv(request.headers[PREFILL_HEADER], engine.tokenize(ids_or_text), sampling)
+        req, queue = state.async_engine.add(ids_or_text, sampling, rid, body.priority,
+                                            request.headers.get(BUCKET_HEADER, "default"), kv=kv)
+    except (InvalidRequest, AdmissionError, UpstreamError) as e:
+        raise from_engine(e) from None
+    return engine, req, results(state, rid, queue)
+
+
+async def results(state: State, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    """Yield the request's deltas; abort it in the engine if the consumer goes away first."""
+    finished = False
     try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise ApiError(400, error_text(e))
+        while not finished:
+            out = await queue.get()
+            if out is None or out.finish_reason is FinishReason.ERROR:
+                raise ApiError(500, f"the engine failed while serving this request (request id {rid})",
+                               "server_error")
+            finished = out.finished
+            yield out
+    finally:
+        if not finished:
+            state.async_engine.abort(rid)
 
 
-def build_app(config: EngineConfig) -> FastAPI:
-    state = State(config)
+async def respond(request: Request, stream: bool, chunks, full) -> Response:
+    if stream:
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+    task = asyncio.ensure_future(full())
+    while True:  # a non-streaming client that disconnects must also free its blocks
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return JSONResponse(task.result())
+        if await request.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)
+
+
+async def completions(request: Request) -> Response:
+    body: CompletionRequest = await body_of(request, CompletionRequest)
+    engine, req, outs = await start(request, body, lambda _: body.single_prompt(), lambda: body.sampling_params(
+        16 if body.max_tokens is None else body.max_tokens, body.logprobs))
+    chunks, full = completion_handlers(engine, body, req, request.state.request_id, outs)
+    return await respond(request, body.stream, chunks, full)
+
+
+def chat_prompt(engine: LLMEngine, body: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    try:
+        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False)
+    except (ValueError, TemplateError) as e:  # the model's template refuses this conversation
+        raise InvalidRequest(f"messages: {e}", "messages") from None
+
+
+async def chat(request: Request) -> Response:
+    body: ChatCompletionRequest = await body_of(request, ChatCompletionRequest)
+    engine, req, outs = await start(request, body, lambda e: chat_prompt(e, body), lambda: body.sampling_params(
+        body.resolved_max_tokens(), body.resolved_logprobs()))
+    chunks, full = chat_handlers(engine, body, req, request.state.request_id, outs)
+    return await respond(request, body.stream, chunks, full)
+
+
+async def kv_prefill(request: Request) -> Response:
+    """Prefill role: compute a prompt, sample its first token, answer with its KV (see kv_transfer)."""
+    body: PrefillRequest = await body_of(request, PrefillRequest)
+    state = state_of(request)
+    state.engine_or_503()
+    rid = request.state.request_id
+    try:
+        params = SamplingParams(**body.sampling)
+        _, queue = state.async_engine.add(body.prompt_token_ids, params, rid, None,
+                                          request.headers.get(BUCKET_HEADER, "default"), export_kv=True)
+    except TypeError as e:  # an unknown SamplingParams field
+        raise ApiError(400, f"sampling: {e}") from None
+    except (InvalidRequest, AdmissionError, UpstreamError) as e:
+        raise from_engine(e) from None
+    outs = [out async for out in results(state, rid, queue)]
+    if outs[-1].kv is None:
+        raise ApiError(500, f"prefill ended without KV ({outs[-1].finish_reason})", "server_error")
+    return Response(outs[-1].kv.to_bytes(), media_type="application/octet-stream")
+
+
+# -- the app -------------------------------------------------------------------------------------------------
+def authorized(request: Request, key: str) -> bool:
+    given = request.headers.get("authorization", "")
+    return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+
+
+class Guard:
+    """Request ids, the API key, and the last line of defence: an unexpected error fails this request only, with
+    an id the log line carries too. Plain ASGI, so handlers still see the client's disconnect."""
+
+    def __init__(self, app, settings: ServerSettings):
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = scope.setdefault("state", {})["request_id"] = uuid.uuid4().hex[:24]
+        key = self.settings.api_key
+        if key and scope["path"].startswith("/v1/") and not authorized(Request(scope), key):
+            err = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+            return await err.response()(scope, receive, send)
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            log.exception("request %s failed", rid)
+            if started:
+                raise
+            err = ApiError(500, f"internal error while serving this request (request id {rid})", "server_error")
+            await err.response()(scope, receive, send)
+
+
+def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> FastAPI:
+    state = State(config, settings or ServerSettings())
     app = FastAPI(title="slofleet engine")
     app.state.slofleet = state
+    app.state.started_at = time.time()
 
     @app.on_event("startup")
     async def _start() -> None:
@@ -113,144 +274,11 @@ def build_app(config: EngineConfig) -> FastAPI:
         if state.async_engine is not None:
             state.async_engine.stop()
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
-
-    @app.get("/health")
-    async def health() -> Response:
-        failed = state.load_error or (state.async_engine and state.async_engine.error)
-        if failed:
-            return PlainTextResponse(f"engine failed: {failed}", status_code=500)
-        return PlainTextResponse("ok")
-
-    @app.get("/ready")
-    async def ready() -> Response:
-        if state.ready and not state.draining:
-            return PlainTextResponse("ready")
-        return PlainTextResponse("draining" if state.draining else "loading", status_code=503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        if state.metrics is None:
-            return Response(b"", media_type=CONTENT_TYPE_LATEST)
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        engine = require_engine()
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
-                                            "owned_by": "slofleet", "max_model_len": engine.max_model_len}]}
-
-    def require_engine() -> LLMEngine:
-        if state.draining:
-            raise ApiError(503, "the server is shutting down; retry on another replica", "unavailable")
-        if not state.ready:
-            raise ApiError(503, "the model is still loading; retry shortly", "unavailable",
-                           headers={"Retry-After": "2"})
-        return state.engine
-
-    async def fetch_kv(url: str, ids: list[int], params: SamplingParams) -> KVPayload:
-        try:
-            async with httpx.AsyncClient(timeout=600) as client:
-                r = await client.post(url.rstrip("/") + "/v1/kv/prefill",
-                                      json={"prompt_token_ids": ids, "sampling": dataclasses.asdict(params)})
-        except httpx.HTTPError as e:
-            raise ApiError(502, f"prefill engine {url} unreachable: {e!r}", "upstream_error")
-        if r.status_code != 200:
-            raise ApiError(r.status_code if r.status_code < 500 else 502, f"prefill engine {url}: {r.text[:300]}",
-                           "upstream_error")
-        return KVPayload.from_bytes(r.content)
-
-    async def start(body: SamplingFields, prompt: str | list[int], params_fn, request: Request):
-        engine = require_engine()
-        if body.model != engine.model_name:
-            raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
-                                f"{engine.model_name!r} (see /v1/models)", param="model")
-        bad = body.unsupported()
-        if bad:
-            raise ApiError(400, f"unsupported parameter(s): {', '.join(bad)}", param=bad[0].split()[0])
-        rid = f"{uuid.uuid4().hex[:24]}"
-        try:
-            params = params_fn()
-            kv = None
-            if request.headers.get(PREFILL_HEADER):
-                kv = await fetch_kv(request.headers[PREFILL_HEADER], engine.tokenize(prompt), params)
-            req, queue = state.async_engine.add(prompt, params, rid, body.priority,
-                                                request.headers.get(BUCKET_HEADER, "default"), kv=kv)
-        except AdmissionError as e:
-            raise ApiError(429, str(e), "rate_limit_exceeded", headers={"Retry-After": str(int(e.retry_after))})
-        except ValueError as e:
-            raise ApiError(400, str(e))
-        return engine, rid, req, queue
-
-    async def results(rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """Yield the request's deltas; abort it in the engine if the consumer goes away first."""
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                if out is None:
-                    raise ApiError(500, "the engine failed while serving this request", "server_error")
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:
-                state.async_engine.abort(rid)
-
-    async def respond(request: Request, stream: bool, chunks, full) -> Response:
-        if stream:
-            return StreamingResponse(chunks(), media_type="text/event-stream")
-        task = asyncio.ensure_future(full())
-        while True:  # a non-streaming client that disconnects must also free its blocks
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return JSONResponse(task.result())
-            if await request.is_disconnected():
-                task.cancel()
-                return Response(status_code=499)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body: CompletionRequest = await parse(request, CompletionRequest)
-        engine, rid, req, queue = await start(body, body.single_prompt(), lambda: body.sampling_params(
-            16 if body.max_tokens is None else body.max_tokens, body.logprobs), request)
-        chunks, full = completion_handlers(engine, body, req, rid, results(rid, queue))
-        return await respond(request, body.stream, chunks, full)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-        engine = require_engine()
-        try:
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in body.messages]
-            ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="messages")
-        engine, rid, req, queue = await start(body, ids, lambda: body.sampling_params(
-            body.resolved_max_tokens(), body.resolved_logprobs()), request)
-        chunks, full = chat_handlers(engine, body, req, rid, results(rid, queue))
-        return await respond(request, body.stream, chunks, full)
-
-    @app.post("/v1/kv/prefill")
-    async def kv_prefill(request: Request) -> Response:
-        body: PrefillRequest = await parse(request, PrefillRequest)
-        require_engine()
-        rid = f"prefill-{uuid.uuid4().hex[:20]}"
-        try:
-            params = SamplingParams(**body.sampling)
-            _, queue = state.async_engine.add(body.prompt_token_ids, params, rid, None,
-                                              request.headers.get(BUCKET_HEADER, "default"), export_kv=True)
-        except AdmissionError as e:
-            raise ApiError(429, str(e), "rate_limit_exceeded", headers={"Retry-After": str(int(e.retry_after))})
-        except (TypeError, ValueError) as e:
-            raise ApiError(400, str(e))
-        outs = [out async for out in results(rid, queue)]
-        if outs[-1].kv is None:
-            raise ApiError(500, f"prefill ended without KV ({outs[-1].finish_reason})", "server_error")
-        return Response(outs[-1].kv.to_bytes(), media_type="application/octet-stream")
-
-    app.state.started_at = time.time()
+    app.add_middleware(Guard, settings=state.settings)
+    app.add_exception_handler(ApiError, lambda _, exc: exc.response())
+    for path, handler in (("/health", health), ("/ready", ready), ("/metrics", metrics), ("/v1/models", models)):
+        app.add_api_route(path, handler, methods=["GET"])
+    for path, handler in (("/v1/completions", completions), ("/v1/chat/completions", chat),
+                          ("/v1/kv/prefill", kv_prefill)):
+        app.add_api_route(path, handler, methods=["POST"])
     return app

@@ -14,9 +14,11 @@ log = logging.getLogger("slofleet.engine.loop")
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput], None]):
+    def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput], None],
+                 on_fatal: Callable[[], None] = lambda: None):
         self.engine = engine
         self.on_output = on_output
+        self.on_fatal = on_fatal  # called once if the loop dies
         self.queues: dict[str, asyncio.Queue] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.wake = threading.Event()
@@ -33,13 +35,12 @@ class AsyncEngine:
         self.wake.set()
         self.thread.join(timeout=30)
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self.queues)
-
     def add(self, prompt: str | list[int] | None, params: SamplingParams, request_id: str, priority: int | None,
             bucket: str, **handoff) -> tuple[Request, asyncio.Queue]:
-        """Queue a request (raises ValueError or AdmissionError synchronously, before any byte is sent)."""
+        """Queue a request (raises the engine's InvalidRequest, AdmissionError or UpstreamError synchronously,
+        before any byte is sent)."""
+        if self.error is not None:
+            raise RuntimeError("the engine loop is dead")
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         try:
@@ -77,6 +78,7 @@ class AsyncEngine:
             self.error = e
             for rid in list(self.queues):
                 self.loop.call_soon_threadsafe(self._fail, rid)
+            self.on_fatal()
 
     def _fail(self, request_id: str) -> None:
         queue = self.queues.pop(request_id, None)

@@ -1,4 +1,4 @@
-"""`slofleet serve`: flags generated from EngineConfig (its one source of truth), uvicorn with draining."""
+"""`slofleet serve`: flags generated from EngineConfig and ServerSettings (their one source), uvicorn with draining."""
 from __future__ import annotations
 
 import argparse
@@ -6,26 +6,29 @@ import dataclasses
 import logging
 import threading
 
-from ..config import EngineConfig, config_fields
+from ..config import EngineConfig
+from .settings import ServerSettings
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        meta = dict(f.metadata)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=meta.get("help"))
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help=meta.get("help"),
+                                choices=meta.get("choices"))
+
+
+def _from_args(cls: type, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--grace-period", type=float, default=30.0,
-                        help="seconds to finish in-flight requests after SIGTERM")
-    parser.add_argument("--drain-delay", type=float, default=2.0,
-                        help="seconds /ready reports 503 after SIGTERM before the listener closes, so load "
-                             "balancers stop sending first")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    for f in config_fields():
-        flag = "--" + f.name.replace("_", "-")
-        meta = dict(f.metadata)
-        if isinstance(f.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta.get("help"))
-        else:
-            parser.add_argument(flag, type=type(f.default), default=f.default, help=meta.get("help"),
-                                choices=meta.get("choices"))
+    _add_fields(parser, ServerSettings)
+    _add_fields(parser, EngineConfig)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,13 +36,14 @@ def run(args: argparse.Namespace) -> int:
 
     from .api import build_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = _from_args(ServerSettings, args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+        config = _from_args(EngineConfig, args)
     except ValueError as e:
         print(f"slofleet serve: {e}")
         return 2
-    app = build_app(config)
+    app = build_app(config, settings)
 
     class DrainingServer(uvicorn.Server):
         """On SIGTERM/SIGINT: /ready and new requests get 503 at once; after the drain delay the listener
@@ -50,9 +54,9 @@ def run(args: argparse.Namespace) -> int:
             if state.draining:  # a second signal: stop now
                 return super().handle_exit(sig, frame)
             state.draining = True
-            threading.Timer(args.drain_delay, super().handle_exit, (sig, frame)).start()
+            threading.Timer(settings.drain_delay, super().handle_exit, (sig, frame)).start()
 
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=args.grace_period))
+    server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                                           timeout_graceful_shutdown=settings.grace_period))
     server.run()
     return 0

@@ -1,0 +1,24 @@
+"""The HTTP server's own settings (`slofleet serve` flags beside EngineConfig's): listener, draining, limits, auth."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from slofleet.api.contract import DEFAULT_ENGINE_PORT, DEFAULT_GRACE_SECONDS
+
+
+@dataclass(slots=True, kw_only=True)
+class ServerSettings:
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=DEFAULT_ENGINE_PORT, metadata={"help": "port to listen on"})
+    grace_period: float = field(default=float(DEFAULT_GRACE_SECONDS), metadata={
+        "help": "seconds to finish in-flight requests after SIGTERM"})
+    drain_delay: float = field(default=2.0, metadata={
+        "help": "seconds /ready reports 503 after SIGTERM before the listener closes, so load balancers stop first"})
+    log_level: str = field(default="info", metadata={"choices": ("debug", "info", "warning", "error")})
+    api_key: str = field(default_factory=lambda: os.environ.get("SLOFLEET_API_KEY", ""), metadata={
+        "help": "require 'Authorization: Bearer KEY' on /v1/* (default: $SLOFLEET_API_KEY; empty: no key)"})
+    max_request_bytes: int = field(default=4 << 20, metadata={
+        "help": "largest request body accepted; larger ones get 413 before they are parsed"})
+    request_read_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a client may take to send its request body (slow senders get 408)"})
