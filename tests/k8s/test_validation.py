@@ -7,6 +7,9 @@ import json
 import pytest
 import yaml
 
+from slofleet.api.contract import ENGINE_SETTINGS, Setting
+from slofleet.api.v1alpha1 import to_camel
+from slofleet.engine.config import EngineConfig
 from tests.k8s.conftest import REPO
 
 POOL = {"minReplicas": 1, "maxReplicas": 2}
@@ -43,6 +46,7 @@ INVALID = [
     ("init source without an image", {"model": {"source": "init"}},
      "spec.model",
      "model.source init needs model.initImage and model.initCommand"),
+    ("block size not a power of two", {"engine": {"blockSize": 24}}, "spec.engine", "blockSize must be a power of two"),
 ]
 # Schema (non-CEL) rules: one of each kind the CRD uses.
 INVALID_SCHEMA = [
@@ -58,6 +62,40 @@ INVALID_SCHEMA = [
      'spec.topology.unified.minReplicas: Invalid value: "string": spec.topology.unified.minReplicas in body must be '
      'of type integer: "string"'),
 ]
+
+
+def refused_values(setting: Setting) -> list:
+    """Values the engine refuses at start, one per rule of the setting."""
+    out: list = []
+    if setting.choices:
+        out.append("float16x")
+    if setting.positive:
+        out += [0, -1.5]
+    if setting.minimum is not None:
+        out.append(int(setting.minimum) - 1)
+    if setting.maximum is not None:
+        out.append(int(setting.maximum) * 2)
+    if setting.power_of_two:
+        out.append(24)
+    return out
+
+
+ENGINE_REFUSED = [(name, value) for name, s in ENGINE_SETTINGS.items() for value in refused_values(s)]
+
+
+def test_every_engine_rule_has_a_refused_value():
+    ruled = {name for name, s in ENGINE_SETTINGS.items()
+             if s.choices or s.positive or s.minimum is not None or s.maximum is not None or s.power_of_two}
+    assert ruled == {name for name, _ in ENGINE_REFUSED}
+
+
+@pytest.mark.parametrize("name,value", ENGINE_REFUSED, ids=[f"{n}={v}" for n, v in ENGINE_REFUSED])
+def test_crd_refuses_what_the_engine_refuses(crds, namespace, name, value):
+    with pytest.raises(ValueError):
+        EngineConfig(**{name: value})
+    r = crds.kubectl("apply", "-n", namespace, "-f", "-", check=False,
+                     input=manifest("bad", {"engine": {to_camel(name): value}}))
+    assert r.returncode != 0 and "spec.engine" in r.stderr, f"{name}={value} accepted: {r.stdout}"
 
 
 def manifest(name: str, spec: dict) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 # -- roles ---------------------------------------------------------------------------------------------------
@@ -124,3 +125,46 @@ def sum_by_name(samples: list[Sample], names: set[str] | frozenset[str]) -> dict
         if s.name in out and not math.isnan(s.value):
             out[s.name] += s.value
     return out
+
+
+# -- engine settings the LLMService's `spec.engine` and `slofleet serve` share ----------------------------------
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One `slofleet serve` flag that the CRD also exposes: its default and the rule both enforce."""
+    default: bool | int | float | str
+    help: str
+    minimum: float | None = None
+    maximum: float | None = None
+    positive: bool = False  # > 0 (for floats, where a minimum of 0 would admit 0)
+    choices: tuple[str, ...] = ()
+    power_of_two: bool = False
+
+    def problem(self, name: str, value) -> str | None:
+        """Why `value` is refused, in words a user can act on; None when it is fine."""
+        if self.choices and value not in self.choices:
+            return f"{name} must be one of {', '.join(self.choices)}, got {value!r}"
+        if self.positive and not value > 0:
+            return f"{name} must be > 0, got {value}"
+        if self.minimum is not None and value < self.minimum:
+            return f"{name} must be >= {self.minimum:g}, got {value}"
+        if self.maximum is not None and value > self.maximum:
+            return f"{name} must be <= {self.maximum:g}, got {value}"
+        if self.power_of_two and (value <= 0 or value & (value - 1)):
+            return f"{name} must be a power of two, got {value}"
+        return None
+
+
+ENGINE_SETTINGS: dict[str, Setting] = {
+    "dtype": Setting("auto", "auto | float32 | bfloat16 (auto: bf16 where the CPU has avx512_bf16/AMX, or on GPU)",
+                     choices=("auto", "float32", "bfloat16")),
+    "block_size": Setting(16, "tokens per KV block (a power of two)", 1, 256, power_of_two=True),
+    "kv_cache_memory_gb": Setting(1.0, "memory budget for the KV block pool, in GiB", positive=True),
+    "max_num_seqs": Setting(64, "most requests running in one step", 1),
+    "max_num_batched_tokens": Setting(512, "token budget per step, shared by decodes and prefill chunks", 1),
+    "max_model_len": Setting(8192, "longest prompt + output, capped by the model's own limit", 16),
+    "enable_prefix_caching": Setting(True, "reuse KV blocks of shared prompt prefixes"),
+    "max_waiting_requests": Setting(256, "admission limit: waiting requests before 429", 1),
+    "max_queued_tokens": Setting(262144, "admission limit: queued prompt tokens before 429", 1),
+}
+DEFAULT_ENGINE_PORT = 8000  # `slofleet serve --port`, and spec.engine.port
+DEFAULT_GRACE_SECONDS = 30  # `slofleet serve --grace-period`, and spec.engine.drainSeconds

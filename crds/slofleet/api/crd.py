@@ -70,7 +70,8 @@ def openapi_schema(model: type[v1.BaseModel]) -> dict:
     props = schema["properties"]
     for owned_by_the_api_server in ("apiVersion", "kind", "metadata"):
         props.pop(owned_by_the_api_server)
-    return {"type": "object", "properties": props, **({"required": ["spec"]} if "spec" in schema.get("required", []) else {})}
+    required = {"required": ["spec"]} if "spec" in schema.get("required", []) else {}
+    return {"type": "object", "properties": props, **required}
 
 
 def _crd(kind: str, plural: str, short: list[str], model: type, columns: list[dict]) -> dict:

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from slofleet.api.contract import ROLES  # noqa: F401 (re-exported)
+from slofleet.api.contract import (  # noqa: F401 (ROLES re-exported)
+    DEFAULT_ENGINE_PORT,
+    DEFAULT_GRACE_SECONDS,
+    ENGINE_SETTINGS,
+    ROLES,
+)
 
 GROUP = "slofleet.dev"
 VERSION = "v1alpha1"
@@ -47,11 +52,13 @@ class _Model(BaseModel):
 class ModelSource(_Model):
     """Which weights to serve. `embedded` ships inside the image; `pvc` mounts a claim; `init` runs an
     init container that downloads into a shared emptyDir."""
-    name: str = Field("default", description="model name passed to `slofleet serve --model`; 'default' is the embedded SmolLM2-135M-Instruct")
+    name: str = Field("default", description="model name passed to `slofleet serve --model`; 'default' is the "
+                      "embedded SmolLM2-135M-Instruct")
     source: Literal["embedded", "pvc", "init"] = Field("embedded", description="where the weights come from")
     pvc_name: str | None = Field(None, description="PersistentVolumeClaim holding the weights (source: pvc)")
     path: str = Field("/models", description="mount path of the weights volume (source: pvc or init)")
-    init_image: str | None = Field(None, description="image of the init container that fetches the weights (source: init)")
+    init_image: str | None = Field(None, description="image of the init container that fetches the weights "
+                                   "(source: init)")
     init_command: list[str] | None = Field(None, description="command of that init container; it writes under `path`")
     model_config = ConfigDict(json_schema_extra=_rules(
         ("self.source != 'pvc' || has(self.pvcName)", "model.source pvc needs model.pvcName"),
@@ -65,25 +72,55 @@ class Resources(_Model):
     limits: dict[str, int | str] = Field({"cpu": "2", "memory": "4Gi"})
 
 
+def engine_field(name: str):
+    """A `slofleet serve` setting as a CRD field: the engine's default and rule (slofleet.api.contract)."""
+    s = ENGINE_SETTINGS[name]
+    bounds = {"ge": s.minimum, "le": s.maximum, "gt": 0 if s.positive else None}
+    return Field(s.default, description=s.help, **{k: v for k, v in bounds.items() if v is not None})
+
+
+def _engine_rules() -> dict:
+    """CEL for the rules a JSON schema cannot say (a power of two), over the shared settings."""
+    pairs = []
+    for name, s in ENGINE_SETTINGS.items():
+        if s.power_of_two:
+            powers = [2 ** i for i in range(int(s.maximum).bit_length()) if 2 ** i <= s.maximum]
+            pairs.append((f"self.{to_camel(name)} in {powers}", f"{to_camel(name)} must be a power of two"))
+    return _rules(*pairs)
+
+
 class Engine(_Model):
-    """How each engine pod runs: image, resources and the `slofleet serve` batching/KV settings."""
+    """How each engine pod runs: image, resources and the `slofleet serve` batching/KV settings. The operator
+    passes every shared setting as its flag, then `args` as given."""
     image: str = Field("slofleet/engine:0.1.0", description="the one image all roles run")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API, /health, /ready, /metrics")
+    port: int = Field(DEFAULT_ENGINE_PORT, ge=1, le=65535,
+                      description="HTTP port of the OpenAI API, /health, /ready, /metrics")
     resources: Resources = Field({})
     gpus: int = Field(0, ge=0, le=16, description="GPUs per pod (nvidia.com/gpu); >0 adds GPU tolerations")
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
-    kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV block pool budget per pod, GiB")
-    max_num_seqs: int = Field(64, ge=1, description="most requests running in one step")
-    max_num_batched_tokens: int = Field(1024, ge=1, description="token budget per step")
-    max_model_len: int = Field(8192, ge=16)
-    enable_prefix_caching: bool = True
-    max_waiting_requests: int = Field(256, ge=1, description="engine admission limit: waiting requests before 429")
-    max_queued_tokens: int = Field(262144, ge=1, description="engine admission limit: queued prompt tokens before 429")
+    dtype: Literal["auto", "float32", "bfloat16"] = engine_field("dtype")
+    block_size: int = engine_field("block_size")
+    kv_cache_memory_gb: float = engine_field("kv_cache_memory_gb")
+    max_num_seqs: int = engine_field("max_num_seqs")
+    max_num_batched_tokens: int = engine_field("max_num_batched_tokens")
+    max_model_len: int = engine_field("max_model_len")
+    enable_prefix_caching: bool = engine_field("enable_prefix_caching")
+    max_waiting_requests: int = engine_field("max_waiting_requests")
+    max_queued_tokens: int = engine_field("max_queued_tokens")
     startup_seconds: int = Field(300, ge=10, description="how long model loading may take before liveness applies")
-    drain_seconds: int = Field(60, ge=1, description="on SIGTERM, in-flight requests get this long to finish")
+    drain_seconds: int = Field(DEFAULT_GRACE_SECONDS, ge=1,
+                               description="on SIGTERM, in-flight requests get this long to finish")
     env: dict[str, str] = Field({}, description="extra environment for the engine container")
+    args: list[str] = Field([], max_length=64, description="extra `slofleet serve` flags for settings this "
+                            "schema does not name, e.g. ['--seed', '7']; passed after the generated ones")
+    model_config = ConfigDict(json_schema_extra=_engine_rules())
+
+    @model_validator(mode="after")
+    def _shared_rules(self) -> Engine:
+        problems = [s.problem(name, getattr(self, name)) for name, s in ENGINE_SETTINGS.items()]
+        if any(problems):
+            raise ValueError("; ".join(p for p in problems if p))
+        return self
 
 
 class Pool(_Model):
@@ -194,7 +231,8 @@ class LLMServiceSpec(_Model):
     model: ModelSource = Field({})
     engine: Engine = Field({})
     topology: Topology = Field({})
-    policy_ref: str | None = Field(None, description="name of an SLOPolicy in the namespace whose buckets apply when `buckets` is empty")
+    policy_ref: str | None = Field(None, description="name of an SLOPolicy in the namespace whose buckets apply "
+                                   "when `buckets` is empty")
     buckets: list[Bucket] = Field([], max_length=32, json_schema_extra=_unique_buckets())
     autoscaling: Autoscaling = Field({})
     router: Router = Field({})
@@ -220,7 +258,8 @@ class RoleAutoscaling(_Model):
     reason: str | None = None
     time: str | None = Field(None, description="when this decision was made (RFC 3339)")
     condition: Literal["Ok", "MetricsStale", "Stabilizing", "Draining", "ScalingLimited"] | None = Field(
-        None, description="MetricsStale: no fresh metrics, the last decision is held; the others explain a hold or a bound")
+        None, description="MetricsStale: no fresh metrics, the last decision is held; the others explain a hold or "
+        "a bound")
 
 
 class RoleStatus(_Model):

@@ -1,7 +1,7 @@
 """Pure: the engine pod template of one role (the `slofleet serve` command line, probes, resources, volumes)."""
 from __future__ import annotations
 
-from slofleet.api.contract import MANAGED_BY, ROLE_LABEL, SERVICE_LABEL
+from slofleet.api.contract import ENGINE_SETTINGS, MANAGED_BY, ROLE_LABEL, SERVICE_LABEL
 from slofleet.api.v1alpha1 import Bucket, LLMService
 
 CONFIG_DIR = "/etc/slofleet"
@@ -39,19 +39,24 @@ def model_arg(svc: LLMService) -> str:
     return m.name if m.source == "embedded" else f"{m.path.rstrip('/')}/{m.name}"
 
 
+def flag(name: str, value: bool | int | float | str) -> list[str]:
+    """One `slofleet serve` flag, spelled as its argparse definition (booleans as --x / --no-x)."""
+    opt = name.replace("_", "-")
+    if isinstance(value, bool):
+        return [f"--{opt}" if value else f"--no-{opt}"]
+    return [f"--{opt}", f"{value:g}" if isinstance(value, float) else str(value)]
+
+
 def serve_args(svc: LLMService, role: str, buckets: list[Bucket]) -> list[str]:
     e = svc.spec.engine
     # $(POD_IP) is expanded by the kubelet from the env below: each pod binds its own address.
-    args = ["--host", "$(POD_IP)", "--port", str(e.port), "--model", model_arg(svc), "--role", role,
-            "--dtype", e.dtype, "--block-size", str(e.block_size), "--kv-cache-memory-gb", f"{e.kv_cache_memory_gb:g}",
-            "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-            "--max-model-len", str(e.max_model_len),
-            "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
-            "--max-waiting-requests", str(e.max_waiting_requests), "--max-queued-tokens", str(e.max_queued_tokens),
-            "--grace-period", str(e.drain_seconds)]
+    args = ["--host", "$(POD_IP)", *flag("port", e.port), "--model", model_arg(svc), "--role", role,
+            *flag("grace_period", e.drain_seconds)]
+    for name in ENGINE_SETTINGS:
+        args += flag(name, getattr(e, name))
     if buckets:
         args += ["--bucket-priorities", bucket_priorities(buckets)]
-    return args
+    return args + list(e.args)
 
 
 def resources(svc: LLMService) -> dict:
