@@ -12,6 +12,7 @@ help:
 	@echo "make serve    install into $(VENV) and serve the embedded model on $(HOST):$(PORT)"
 	@echo "make test     install and run the whole test suite"
 	@echo "make bench    run the engine CPU benchmark (prints a table)"
+	@echo "make lint     ruff, and no production module over $(MAX_MODULE_LINES) lines"
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -31,6 +32,14 @@ test: install
 
 bench: install
 	$(PY) benchmarks/engine_cpu.py
+
+# ruff (rules and line length in pyproject.toml), then no production module over $(MAX_MODULE_LINES) lines.
+MAX_MODULE_LINES ?= 350
+lint: install
+	$(VENV)/bin/ruff check .
+	@long=$$(git ls-files '*.py' | grep -v '^tests/\|^benchmarks/' | xargs wc -l | \
+		awk -v max=$(MAX_MODULE_LINES) '$$2 != "total" && $$1 > max {print "  " $$2 ": " $$1 " lines"}'); \
+	if [ -n "$$long" ]; then echo "modules over $(MAX_MODULE_LINES) lines (split them):"; echo "$$long"; exit 1; fi
 
 # Component makefiles (the local control plane, ...) add their own targets here.
 -include mk/*.mk
