@@ -18,6 +18,11 @@ ROLES = (UNIFIED, PREFILL, DECODE)  # the engine roles: `slofleet serve --role`,
 BUCKET_HEADER = "x-slofleet-bucket"  # the request's bucket, set by the router (or a client calling an engine)
 PREFILL_HEADER = "x-slofleet-prefill-url"  # router -> decode engine: pull this prompt's KV from that prefill engine
 REPLICA_HEADER = "x-slofleet-replica"  # router -> client (debugging): which replica answered
+# The per-LLMService internal token (a Secret the operator creates): the router and the engines read it from this
+# environment variable, and every router -> engine and engine -> engine request carries it as
+# `Authorization: Bearer <token>`. Engines refuse /v1/* without it when it is set.
+INTERNAL_TOKEN_ENV = "SLOFLEET_INTERNAL_TOKEN"
+INTERNAL_TOKEN_KEY = "token"  # the key of that Secret's data
 
 # -- labels and annotations ----------------------------------------------------------------------------------
 SERVICE_LABEL = "slofleet.dev/service"  # on every child of an LLMService: its name
