@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from slofleet.api.contract import INTERNAL_TOKEN_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -37,14 +39,17 @@ def wait_http(proc: subprocess.Popen, url: str, log: Path, timeout: float, what:
     raise TimeoutError(f"{what} not ready in {timeout}s:\n{log.read_text()[-3000:]}")
 
 
+INTERNAL_TOKEN = "test-internal-token"  # what the operator's Secret holds in a cluster
+
+
 class Server:
-    def __init__(self, *flags: str, log: Path):
+    def __init__(self, *flags: str, log: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "slofleet.cli", "serve", "--port", str(self.port), "--dtype", "float32", *flags]
         self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
     def wait_ready(self, timeout: float = 180) -> None:
         wait_http(self.proc, self.url + "/ready", self.log, timeout, "server")
@@ -72,9 +77,11 @@ class Server:
 
 @contextlib.contextmanager
 def prefill_decode_pair(folder: Path, *flags: str) -> Iterator[tuple[Server, Server]]:
-    """A prefill and a decode engine process, both ready; stopped on exit."""
-    pre = Server("--role", "prefill", *flags, log=folder / "prefill.log")
-    dec = Server("--role", "decode", *flags, log=folder / "decode.log")
+    """A prefill and a decode engine process of one service (sharing its internal token), both ready; stopped on
+    exit."""
+    env = {INTERNAL_TOKEN_ENV: INTERNAL_TOKEN}
+    pre = Server("--role", "prefill", *flags, log=folder / "prefill.log", env=env)
+    dec = Server("--role", "decode", *flags, log=folder / "decode.log", env=env)
     try:
         pre.wait_ready()
         dec.wait_ready()

@@ -73,3 +73,37 @@ def test_payload_for_other_tokens_is_refused(engines, chat_ids):
         dec.add_request(None, P, kv=payload)
     assert not dec.has_unfinished() and dec.kv.pool.num_free == dec.kv.pool.num_blocks
     assert dec.kv.pool.cached == cached  # refused before any block was allocated or registered
+
+
+def refused(dec, payload, needle: str) -> None:
+    """The import is refused before any block is allocated or registered: pool and prefix map exactly as before."""
+    free, cached = dec.kv.pool.num_free, dict(dec.kv.pool.cached)
+    with pytest.raises(UpstreamError, match=needle):
+        dec.add_request(None, P, kv=payload)
+    assert not dec.has_unfinished() and dec.kv.pool.num_free == free and dec.kv.pool.cached == cached
+
+
+def test_payload_of_the_wrong_shape_is_refused(engines, chat_ids):
+    pre, dec = engines
+    payload = prefill(pre, chat_ids[6])
+    payload.k, payload.v = payload.k[..., :-1], payload.v[..., :-1]  # a model with another head size
+    refused(dec, payload, "shape")
+
+
+def test_payload_from_another_model_is_refused(engines, chat_ids):
+    pre, dec = engines
+    payload = prefill(pre, chat_ids[6])
+    root = dec.kv.root
+    dec.kv.root = b"another-model-fp"  # a decode pod of another model, as during a rollout
+    try:
+        refused(dec, payload, "block hashes")
+    finally:
+        dec.kv.root = root
+    assert dec.fingerprint == pre.fingerprint == root and root  # same weights, same identity
+
+
+def test_truncated_payload_is_the_peers_fault(engines, chat_ids):
+    pre, _ = engines
+    data = prefill(pre, chat_ids[6]).to_bytes()
+    with pytest.raises(UpstreamError, match="malformed"):
+        KVPayload.from_bytes(data[:-7])

@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.server import prefill_decode_pair
+from slofleet.api.contract import INTERNAL_TOKEN_ENV
+from tests.engine.server import INTERNAL_TOKEN, prefill_decode_pair
 
 from .helpers import RouterProc, StandIn
 from .test_engines import DOC, ENGINE_FLAGS, MODEL
@@ -29,7 +30,7 @@ def pair(tmp_path_factory):
 
 def router_for(tmp_path, prefill: str, decode: str) -> RouterProc:
     return RouterProc("--prefill-upstream", prefill, "--decode-upstream", decode, "--prefill-threshold-tokens", "128",
-                      log=tmp_path / "router.log").wait_ready()
+                      log=tmp_path / "router.log", env={INTERNAL_TOKEN_ENV: INTERNAL_TOKEN}).wait_ready()
 
 
 def chat(base_url: str, messages: list[dict], **extra) -> str:

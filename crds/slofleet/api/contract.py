@@ -23,6 +23,7 @@ REPLICA_HEADER = "x-slofleet-replica"  # router -> client (debugging): which rep
 # `Authorization: Bearer <token>`. Engines refuse /v1/* without it when it is set.
 INTERNAL_TOKEN_ENV = "SLOFLEET_INTERNAL_TOKEN"
 INTERNAL_TOKEN_KEY = "token"  # the key of that Secret's data
+KV_MAC_HEADER = "x-slofleet-kv-mac"  # prefill engine -> decode engine: HMAC-SHA256 of the KV payload by the token
 
 # -- labels and annotations ----------------------------------------------------------------------------------
 SERVICE_LABEL = "slofleet.dev/service"  # on every child of an LLMService: its name

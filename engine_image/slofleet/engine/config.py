@@ -26,7 +26,8 @@ def own(default, help: str, **meta):
 class EngineConfig:
     model: str = own(DEFAULT_MODEL, "'default' (embedded SmolLM2-135M-Instruct), a GGUF file or a Hugging Face "
                      "model directory")
-    served_model_name: str = own("", "name the API answers to (default: derived from --model)")
+    served_model_name: str = own("", "names the API answers to, comma-separated; the first one is reported "
+                                 "(default: derived from --model, which is always answered to as well)")
     role: str = own("unified", " | ".join(ROLES), choices=ROLES)
     dtype: str = shared("dtype")
     device: str = own("auto", "auto | cpu | cuda")

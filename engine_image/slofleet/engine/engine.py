@@ -50,7 +50,9 @@ class LLMEngine:
         torch.set_num_threads(config.num_threads or cpu_quota_threads())
         t0 = time.monotonic()
         path = loader.resolve(config.model)
-        self.model_name = config.served_model_name or loader.model_name(config.model)
+        served = [n.strip() for n in config.served_model_name.split(",") if n.strip()]
+        self.model_names = list(dict.fromkeys([*served, loader.model_name(config.model)]))
+        self.model_name = self.model_names[0]  # reported in responses and metrics, as vLLM does
         self.tokenizer = loader.load_tokenizer(path)
         hf_config = loader.load_config(path)
         self.vocab_size = hf_config.vocab_size
@@ -60,7 +62,8 @@ class LLMEngine:
         budget = int(config.kv_cache_memory_gb * 2**30)
         num_blocks = config.num_blocks or max(1, budget // self.runner.bytes_per_block())
         self.runner.allocate_kv(num_blocks)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.fingerprint = loader.fingerprint(path)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.fingerprint)
         self.scheduler = Scheduler(config, self.kv)
         eos = getattr(hf_config, "eos_token_id", None)
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -129,6 +132,10 @@ class LLMEngine:
                       imported=kv, block_hashes=hashes)
         self.inbox.append(req)
         return req
+
+    def kv_payload_bytes(self, num_tokens: int) -> int:
+        """The most a KV hand-off of num_tokens prompt tokens can weigh on the wire (header included)."""
+        return self.kv.blocks_needed(num_tokens) * self.runner.bytes_per_block() + 24 * num_tokens + (64 << 10)
 
     def abort(self, request_id: str) -> None:
         self.aborts.append(request_id)

@@ -14,8 +14,9 @@ class PrefixStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, root: bytes = b""):
         self.block_size = block_size
+        self.root = root or None  # the model's fingerprint: the parent of every chain's first block
         self.pool = BlockPool(num_blocks, enable_caching)
         self.tables: dict[str, list[Block]] = {}
         self.stats = PrefixStats()
@@ -27,8 +28,8 @@ class KVCacheManager:
         return [b.block_id for b in self.tables.get(request_id, ())]
 
     def chain(self, token_ids: list[int], parent: bytes | None = None) -> list[bytes]:
-        """The hash chain over every full block of token_ids, continuing from parent."""
-        out, bs = [], self.block_size
+        """The hash chain over every full block of token_ids, continuing from parent (default: the root)."""
+        out, bs, parent = [], self.block_size, parent or self.root
         for i in range(len(token_ids) // bs):
             parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
             out.append(parent)

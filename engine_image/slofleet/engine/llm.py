@@ -38,8 +38,3 @@ class LLM:
         return [CompletionOutput(r.prompt_token_ids, list(r.output_token_ids), "".join(texts[r.request_id]),
                                  r.finish_reason, r.output_logprobs if r.params.logprobs is not None else None)
                 for r in reqs]
-
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation through the tokenizer's chat template."""
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -138,6 +137,18 @@ def max_positions(config) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 2048)
 
 
-def describe(path: Path) -> dict:
-    cfg = json.loads((path / "config.json").read_text())
-    return {k: cfg.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size")}
+def fingerprint(path: Path, sample: int = 1 << 20) -> bytes:
+    """The weights' identity, folded into every block hash so that KV computed by one model never serves another
+    (a rollout's prefill pod of a new model handing blocks to a decode pod of the old one). Reads the config and,
+    per weight file, its size and three samples: cheap for large checkpoints, and any re-conversion or edit of a
+    tensor header moves it."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update((path / "config.json").read_bytes())
+    for f in sorted([*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]):
+        size = f.stat().st_size
+        h.update(f.name.encode() + size.to_bytes(8, "little"))
+        with open(f, "rb") as fh:
+            for at in (0, max(0, size // 2 - sample // 2), max(0, size - sample)):
+                fh.seek(at)
+                h.update(fh.read(sample))
+    return h.digest()

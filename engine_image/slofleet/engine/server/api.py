@@ -20,17 +20,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from slofleet.api.contract import BUCKET_HEADER, PREFILL_HEADER
+from slofleet.api.contract import BUCKET_HEADER, KV_MAC_HEADER, PREFILL_HEADER
 
 from ..config import EngineConfig
 from ..engine import LLMEngine, RequestOutput
 from ..errors import AdmissionError, InvalidRequest, UpstreamError
+from ..kv_transfer import KVPayload
 from ..request import FinishReason
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
-from .handoff import fetch_kv
+from .handoff import fetch_kv, is_loopback, mac, peer_base
 from .http import ApiError, from_engine, parse, read_body, unavailable
-from .metrics import Metrics
+from .metrics import DEFAULT_BUCKET, BucketLabels, Metrics
 from .openai_format import chat_handlers, completion_handlers
 from .protocol import ChatCompletionRequest, CompletionRequest, PrefillRequest, SamplingFields
 from .settings import ServerSettings
@@ -44,6 +45,7 @@ class State:
 
     def __init__(self, config: EngineConfig, settings: ServerSettings):
         self.config, self.settings = config, settings
+        self.buckets = BucketLabels(set(config.bucket_priority_map()))
         self.engine: LLMEngine | None = None
         self.async_engine: AsyncEngine | None = None
         self.metrics: Metrics | None = None
@@ -117,8 +119,8 @@ async def metrics(request: Request) -> Response:
 
 async def models(request: Request) -> dict:
     engine = state_of(request).engine_or_503()
-    return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
-                                        "owned_by": "slofleet", "max_model_len": engine.max_model_len}]}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "slofleet",
+                                        "max_model_len": engine.max_model_len} for name in engine.model_names]}
 
 
 # -- generation ----------------------------------------------------------------------------------------------
@@ -127,9 +129,9 @@ async def start(request: Request, body: SamplingFields, prompt: Callable[[LLMEng
     """Check, build and queue one request; every refusal here is an ApiError before any byte is sent."""
     state = state_of(request)
     engine = state.engine_or_503()
-    if body.model != engine.model_name:
+    if body.model not in engine.model_names:
         raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
-                            f"{engine.model_name!r} (see /v1/models)", param="model")
+                            f"{', '.join(map(repr, engine.model_names))} (see /v1/models)", param="model")
     bad = body.unsupported()
     if bad:
         raise ApiError(400, f"unsupported parameter(s): {', '.join(bad)}", param=bad[0].split()[0])
@@ -138,12 +140,23 @@ async def start(request: Request, body: SamplingFields, prompt: Callable[[LLMEng
         ids_or_text, sampling = prompt(engine), params()
         kv = None
         if request.headers.get(PREFILL_HEADER):
-            kv = await fetch_kv(request.headers[PREFILL_HEADER], engine.tokenize(ids_or_text), sampling)
-        req, queue = state.async_engine.add(ids_or_text, sampling, rid, body.priority,
-                                            request.headers.get(BUCKET_HEADER, "default"), kv=kv)
+            kv = await handoff(request, engine, engine.tokenize(ids_or_text), sampling)
+        req, queue = state.async_engine.add(ids_or_text, sampling, rid, body.priority, bucket_of(request), kv=kv)
     except (InvalidRequest, AdmissionError, UpstreamError) as e:
         raise from_engine(e) from None
     return engine, req, results(state, rid, queue)
+
+
+async def handoff(request: Request, engine: LLMEngine, ids: list[int], sampling: SamplingParams) -> KVPayload:
+    settings = state_of(request).settings
+    if not request.state.internal:
+        raise ApiError(403, f"{PREFILL_HEADER} is honoured only with the service's internal token (the router's)")
+    base = peer_base(request.headers[PREFILL_HEADER], allow_loopback=is_loopback(settings.host))
+    return await fetch_kv(base, ids, sampling, settings.internal_token, engine.kv_payload_bytes(len(ids)))
+
+
+def bucket_of(request: Request) -> str:
+    return state_of(request).buckets.label(request.headers.get(BUCKET_HEADER, DEFAULT_BUCKET))
 
 
 async def results(state: State, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -208,8 +221,8 @@ async def kv_prefill(request: Request) -> Response:
     rid = request.state.request_id
     try:
         params = SamplingParams(**body.sampling)
-        _, queue = state.async_engine.add(body.prompt_token_ids, params, rid, None,
-                                          request.headers.get(BUCKET_HEADER, "default"), export_kv=True)
+        _, queue = state.async_engine.add(body.prompt_token_ids, params, rid, None, bucket_of(request),
+                                          export_kv=True)
     except TypeError as e:  # an unknown SamplingParams field
         raise ApiError(400, f"sampling: {e}") from None
     except (InvalidRequest, AdmissionError, UpstreamError) as e:
@@ -217,13 +230,15 @@ async def kv_prefill(request: Request) -> Response:
     outs = [out async for out in results(state, rid, queue)]
     if outs[-1].kv is None:
         raise ApiError(500, f"prefill ended without KV ({outs[-1].finish_reason})", "server_error")
-    return Response(outs[-1].kv.to_bytes(), media_type="application/octet-stream")
+    data, token = outs[-1].kv.to_bytes(), state.settings.internal_token
+    return Response(data, media_type="application/octet-stream", headers={KV_MAC_HEADER: mac(token, data)} if token
+                    else None)
 
 
 # -- the app -------------------------------------------------------------------------------------------------
-def authorized(request: Request, key: str) -> bool:
+def bearer_is(request: Request, key: str) -> bool:
     given = request.headers.get("authorization", "")
-    return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+    return bool(key) and hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
 
 
 class Guard:
@@ -236,9 +251,11 @@ class Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        rid = scope.setdefault("state", {})["request_id"] = uuid.uuid4().hex[:24]
-        key = self.settings.api_key
-        if key and scope["path"].startswith("/v1/") and not authorized(Request(scope), key):
+        state = scope.setdefault("state", {})
+        rid = state["request_id"] = uuid.uuid4().hex[:24]
+        keys, request = [self.settings.api_key, self.settings.internal_token], Request(scope)
+        state["internal"] = bearer_is(request, self.settings.internal_token)
+        if any(keys) and scope["path"].startswith("/v1/") and not any(bearer_is(request, k) for k in keys):
             err = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
             return await err.response()(scope, receive, send)
         started = False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -19,6 +20,28 @@ log = logging.getLogger("slofleet.requests")
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0, 160.0)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+DEFAULT_BUCKET, OTHER_BUCKET = "default", "other"
+MAX_SEEN_BUCKETS = 32
+BUCKET_NAME = re.compile(r"[a-z0-9-]{1,63}")
+
+
+class BucketLabels:
+    """Bucket names become label values, so their number stays bounded: an engine with configured buckets keeps
+    those; one without keeps the first MAX_SEEN_BUCKETS well-formed names it sees. The rest count as `other`."""
+
+    def __init__(self, configured: set[str]):
+        self.configured = bool(configured)
+        self.known = {DEFAULT_BUCKET, *configured}
+
+    def label(self, name: str) -> str:
+        if name in self.known:
+            return name
+        if self.configured or len(self.known) - 1 >= MAX_SEEN_BUCKETS or not BUCKET_NAME.fullmatch(name):
+            return OTHER_BUCKET
+        self.known.add(name)
+        return name
 
 
 class EngineCollector:

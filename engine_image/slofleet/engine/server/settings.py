@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from slofleet.api.contract import DEFAULT_ENGINE_PORT, DEFAULT_GRACE_SECONDS
+from slofleet.api.contract import DEFAULT_ENGINE_PORT, DEFAULT_GRACE_SECONDS, INTERNAL_TOKEN_ENV
 
 
 @dataclass(slots=True, kw_only=True)
@@ -18,6 +18,9 @@ class ServerSettings:
     log_level: str = field(default="info", metadata={"choices": ("debug", "info", "warning", "error")})
     api_key: str = field(default_factory=lambda: os.environ.get("SLOFLEET_API_KEY", ""), metadata={
         "help": "require 'Authorization: Bearer KEY' on /v1/* (default: $SLOFLEET_API_KEY; empty: no key)"})
+    internal_token: str = field(default_factory=lambda: os.environ.get(INTERNAL_TOKEN_ENV, ""), metadata={
+        "help": f"the LLMService's internal token (default: ${INTERNAL_TOKEN_ENV}): /v1/* needs it (or --api-key), "
+                "and only its holders may hand a request's prefill to a peer"})
     max_request_bytes: int = field(default=4 << 20, metadata={
         "help": "largest request body accepted; larger ones get 413 before they are parsed"})
     request_read_timeout: float = field(default=30.0, metadata={
