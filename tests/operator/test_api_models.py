@@ -8,7 +8,8 @@ import yaml
 
 from slofleet.api import crd
 from slofleet.api.v1alpha1 import LLMService, SLOPolicy
-from tests.k8s.conftest import REPO
+from tests.support import ROOT
+from tests.support.invalid_specs import INVALID
 
 
 def test_checked_in_crds_match_the_models():
@@ -42,7 +43,6 @@ def test_schemas_are_structural():
 
 
 def test_every_cel_rule_has_an_invalid_example_in_the_cluster_tests():
-    from tests.k8s.test_validation import INVALID
     rules = {r["message"] for obj in crd.crds().values()
              for _, node in _walk(obj["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
              for r in node.get("x-kubernetes-validations", [])}
@@ -60,7 +60,7 @@ def test_defaults_match_between_python_and_schema():
 
 
 def test_examples_parse():
-    for path in sorted((REPO / "manifests" / "examples").glob("*.yaml")):
+    for path in sorted((ROOT / "manifests" / "examples").glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             model = {"LLMService": LLMService, "SLOPolicy": SLOPolicy}[doc["kind"]]
             assert model.model_validate(doc).wire()["spec"], path

@@ -8,12 +8,12 @@ import subprocess
 import venv
 from pathlib import Path
 
-from tests.k8s.conftest import REPO
+from tests.support import ROOT
 
 
 def pip_steps() -> list[list[str]]:
     steps = []
-    for line in (REPO / "engine_image" / "Dockerfile").read_text().splitlines():
+    for line in (ROOT / "engine_image" / "Dockerfile").read_text().splitlines():
         if line.startswith("RUN pip install"):
             steps.append(shlex.split(line.removeprefix("RUN ")))
     return steps
@@ -33,7 +33,7 @@ def test_dockerfile_install_steps_give_a_working_cli(tmp_path: Path):
     (Path(purelib) / "_outer.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     for step in steps:
         r = subprocess.run([py, "-m", *step, "--quiet", "--no-build-isolation"] if step[-1] == "." else
-                           [py, "-m", *step, "--quiet"], cwd=REPO, capture_output=True, text=True, timeout=600)
+                           [py, "-m", *step, "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, f"{step}: {r.stdout}\n{r.stderr}"
     cli = env_dir / "bin" / "slofleet"
     where = subprocess.run([py, "-c", "import slofleet.api, slofleet.operator.cli; print(slofleet.api.__file__)"],
