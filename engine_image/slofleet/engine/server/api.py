@@ -7,6 +7,7 @@ ones finish (the server's graceful-shutdown timeout bounds the wait). If the eng
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -277,19 +278,18 @@ class Guard:
 
 def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> FastAPI:
     state = State(config, settings or ServerSettings())
-    app = FastAPI(title="slofleet engine")
-    app.state.slofleet = state
-    app.state.started_at = time.time()
 
-    @app.on_event("startup")
-    async def _start() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
         threading.Thread(target=state.load, args=(asyncio.get_running_loop(),), name="model-load",
                          daemon=True).start()
-
-    @app.on_event("shutdown")
-    async def _stop() -> None:
+        yield
         if state.async_engine is not None:
             state.async_engine.stop()
+
+    app = FastAPI(title="slofleet engine", lifespan=lifespan)
+    app.state.slofleet = state
+    app.state.started_at = time.time()
 
     app.add_middleware(Guard, settings=state.settings)
     app.add_exception_handler(ApiError, lambda _, exc: exc.response())
