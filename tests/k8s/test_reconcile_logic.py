@@ -84,8 +84,9 @@ def test_the_router_is_deployed_in_front_of_the_engines():
     assert objs["Service/s-router"]["spec"]["ports"] == [{"name": "http", "port": 9090, "targetPort": "http"}]
     assert c["command"] == ["slofleet", "router"] and c["image"] == "reg/x:1"  # the one image
     assert [arg(c, f) for f in ("--port", "--k8s-llmservice", "--k8s-port-name", "--prefill-threshold-tokens",
-                                "--hold-timeout-seconds", "--policy", "--grace-period", "--host")] == \
-        ["9090", "ns/s", "http", "1024", "30", "least-load", "20", "$(POD_IP)"]
+                                "--hold-timeout-seconds", "--policy", "--grace-period", "--host",
+                                "--max-model-len")] == \
+        ["9090", "ns/s", "http", "1024", "30", "least-load", "20", "$(POD_IP)", "8192"]
     # The buckets from the same ConfigMap the engines read; a policy change rolls the router too.
     assert arg(c, "--buckets") == "/etc/slofleet/policy.json"
     assert {"name": "config", "configMap": {"name": "s-engine"}} in pod["volumes"]

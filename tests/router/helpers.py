@@ -56,11 +56,14 @@ class RouterProc:
 
 
 class StandIn:
-    """A stand-in engine (not the real one): answers /ready and /metrics, and streams one SSE event echoing what
-    it received (priority, bucket header) after `delay` seconds, then [DONE]. Records aborted streams."""
+    """A stand-in engine (not the real one): answers /ready, /metrics and /v1/models (with `max_model_len` when
+    set), and streams one SSE event echoing what it received (priority, bucket header) after `delay` seconds, then
+    [DONE] after `stall` more seconds (or the request's own "stall"; with `cut`, it drops the connection instead).
+    Records aborted streams."""
 
     def __init__(self, delay: float = 0.0, port: int | None = None):
         self.delay, self.status, self.crash = delay, 200, False
+        self.stall, self.cut, self.max_model_len = 0.0, False, None
         self.probe_delay = 0.0  # seconds /ready takes to answer: a busy engine
         self.received: list[dict] = []
         self.aborted = 0
@@ -77,6 +80,10 @@ class StandIn:
         if scope["type"] != "http":
             return
         path = scope["path"]
+        if path == "/v1/models":
+            models = {"data": [{"id": "m", "object": "model", "max_model_len": self.max_model_len}]}
+            await send({"type": "http.response.start", "status": 200 if self.max_model_len else 404, "headers": []})
+            return await send({"type": "http.response.body", "body": json.dumps(models).encode()})
         if path in ("/ready", "/health", "/metrics"):
             if path == "/ready" and self.probe_delay:
                 await asyncio.sleep(self.probe_delay)
@@ -88,7 +95,8 @@ class StandIn:
             msg = await receive()
             raw, more = raw + msg.get("body", b""), msg.get("more_body", False)
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
-        seen = {"priority": json.loads(raw).get("priority"), "bucket": headers.get("x-slofleet-bucket"),
+        request = json.loads(raw)
+        seen = {"priority": request.get("priority"), "bucket": headers.get("x-slofleet-bucket"),
                 "authorization": headers.get("authorization"), "port": self.port}
         self.received.append(seen)
         await send({"type": "http.response.start", "status": self.status,
@@ -104,6 +112,9 @@ class StandIn:
             gone.cancel()
         await send({"type": "http.response.body", "body": f"data: {json.dumps(seen)}\n\n".encode(),
                     "more_body": True})
+        if self.cut:  # a replica dying mid-stream
+            raise RuntimeError("stand-in cut its stream on purpose")
+        await asyncio.sleep(request.get("stall", self.stall))  # a request may ask for its own (the body passes through)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
     def stop(self) -> None:

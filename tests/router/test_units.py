@@ -8,7 +8,7 @@ import pytest
 
 from slofleet.router.balancer import Balancer, Ring, prefix_key
 from slofleet.router.buckets import Admission, Classifier, load_buckets, parse_buckets
-from slofleet.router.gateway import GatewayError, KeyStore, Quotas, parse_keys
+from slofleet.router.gateway import GatewayError, KeyStore, Quotas, digest, parse_keys
 from slofleet.router.replicas import Replica, ReplicaSet, endpoints_from_slices, parse_load
 
 SERVICE = """
@@ -72,9 +72,9 @@ def test_requests_per_second_limit():
 
 def test_keys_file_and_env(tmp_path, monkeypatch):
     keys = parse_keys("# comment\nsk-a rpm=5\n\nsk-b name=bob tpm=7 # trailing\n", rpm=1, tpm=2)
-    assert (keys["sk-a"].rpm, keys["sk-a"].tpm) == (5, 2)
-    assert (keys["sk-b"].name, keys["sk-b"].rpm, keys["sk-b"].tpm) == ("bob", 1, 7)
-    assert "sk-a" not in keys["sk-a"].name
+    a, b = keys[digest("sk-a")], keys[digest("sk-b")]  # held as digests only
+    assert (a.rpm, a.tpm) == (5, 2) and (b.name, b.rpm, b.tpm) == ("bob", 1, 7)
+    assert "sk-a" not in a.name
     monkeypatch.setenv("KEYS", "sk-env1,sk-env2")
     store = KeyStore(None, "KEYS")
     assert store.authenticate({"authorization": "Bearer sk-env2"}) is not None
@@ -112,7 +112,8 @@ def test_endpoint_slices():
         {"metadata": {"labels": {"slofleet.dev/role": "prefill"}}, "ports": [{"name": "http", "port": 8000}],
          "endpoints": [{"addresses": ["10.0.1.1"]}]},
     ]
-    assert endpoints_from_slices(slices, "http") == {"http://10.0.0.1:8000": "unified", "http://10.0.1.1:8000": "prefill",
+    assert endpoints_from_slices(slices, "http") == {"http://10.0.0.1:8000": "unified",
+                                                     "http://10.0.1.1:8000": "prefill",
                                                      "http://[fd00::3]:8000": "unified"}
     from kubernetes.client import (
         DiscoveryV1EndpointPort,

@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="environment variable with comma-separated API keys")
     parser.add_argument("--rpm", type=float, default=0.0, help="default requests per minute per key (0: unlimited)")
     parser.add_argument("--tpm", type=float, default=0.0, help="default tokens per minute per key (0: unlimited)")
-    parser.add_argument("--default-max-tokens", type=int, default=256,
-                        help="output tokens charged to a quota when a request gives no max_tokens")
+    parser.add_argument("--max-model-len", type=int, default=Cfg.max_model_len,
+                        help="the engines' context length until a replica lists its own in /v1/models: a request "
+                             "without max_tokens is charged to its key's quota for what the engine may generate")
     parser.add_argument("--max-body-bytes", type=int, default=Cfg.max_body_bytes, help="larger request bodies get 413")
     parser.add_argument("--max-prompt-tokens", type=int, default=Cfg.max_prompt_tokens,
                         help="longer prompts (estimated) get 413")
@@ -58,9 +59,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold-timeout-seconds", type=float, default=Cfg.hold_timeout,
                         help="while no replica is ready, hold requests this long for one (scale from zero), "
                              "then answer 503")
+    parser.add_argument("--upstream-ttfb-timeout", type=float, default=Cfg.ttfb_timeout,
+                        help="seconds for replicas (over all tries) to send a request's first token, then 504")
+    parser.add_argument("--upstream-idle-timeout", type=float, default=Cfg.idle_timeout,
+                        help="seconds a started answer may go without a byte, then it ends with an SSE error event")
+    parser.add_argument("--body-timeout", type=float, default=Cfg.body_timeout,
+                        help="seconds a client has to send its request body, then 408")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a client has to send a request's line and headers, then the connection closes")
+    parser.add_argument("--max-header-bytes", type=int, default=64 << 10,
+                        help="larger request heads close the connection")
+    parser.add_argument("--keep-alive-timeout", type=int, default=5,
+                        help="seconds an idle kept-alive client connection stays open")
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between replica probes")
     parser.add_argument("--grace-period", type=float, default=30.0,
-                        help="seconds open streams get to finish after SIGTERM")
+                        help="seconds open streams get to finish after SIGTERM, past the drain delay")
+    parser.add_argument("--drain-delay", type=float, default=2.0,
+                        help="seconds after SIGTERM that /ready and new requests answer 503 before the listener "
+                             "closes, so load balancers stop sending first")
     parser.add_argument("--replica-header", action="store_true", help=f"answer with {REPLICA_HEADER}")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -73,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from .gateway import KeyStore, Quotas
     from .proxy import Router, RouterConfig
     from .replicas import ReplicaSet, kubernetes_lister, llmservice_selector, service_selector
+    from .server import DrainingServer, head_limited
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     static = {**{u: UNIFIED for u in args.upstream}, **{u: PREFILL for u in args.prefill_upstream},
@@ -91,12 +108,20 @@ def run(args: argparse.Namespace) -> int:
     cfg = RouterConfig(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                        capacity_per_replica=args.capacity_per_replica, max_attempts=args.max_attempts,
                        affinity_chars=args.affinity_chars, replica_header=args.replica_header,
-                       prefill_threshold_tokens=args.prefill_threshold_tokens, hold_timeout=args.hold_timeout_seconds)
-    app = Router(cfg, replicas, Classifier(buckets, args.chars_per_token, args.min_shed_share),
-                 KeyStore(args.api_keys_file, args.api_keys_env, args.rpm, args.tpm), Quotas(args.default_max_tokens),
+                       prefill_threshold_tokens=args.prefill_threshold_tokens, hold_timeout=args.hold_timeout_seconds,
+                       ttfb_timeout=args.upstream_ttfb_timeout, idle_timeout=args.upstream_idle_timeout,
+                       body_timeout=args.body_timeout, max_model_len=args.max_model_len)
+    try:
+        keys = KeyStore(args.api_keys_file, args.api_keys_env, args.rpm, args.tpm)
+    except (OSError, ValueError) as e:
+        print(f"slofleet router: {e}")
+        return 2
+    app = Router(cfg, replicas, Classifier(buckets, args.chars_per_token, args.min_shed_share), keys, Quotas(),
                  Balancer(args.policy, args.load_factor))
-    # uvicorn picks httptools and uvloop when installed (uvicorn[standard]): the h11 fallback costs the router
-    # several times more CPU per streamed chunk
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, interface="asgi3",
-                timeout_graceful_shutdown=args.grace_period)
+    # httptools (uvicorn[standard]; several times less CPU per streamed chunk than h11) with bounds on slow
+    # request heads, and uvloop when installed
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            interface="asgi3", http=head_limited(args.header_timeout, args.max_header_bytes),
+                            timeout_keep_alive=args.keep_alive_timeout, timeout_graceful_shutdown=args.grace_period)
+    DrainingServer(config, app, args.drain_delay).run()
     return 0

@@ -14,7 +14,8 @@ class RouterMetrics:
         self.requests = Counter("slofleet:router_requests", "Requests answered, by bucket and HTTP status.",
                                 ["bucket", "code"], registry=r)
         self.rejected = Counter("slofleet:router_rejected", "Requests refused by the router, by bucket and reason "
-                                "(auth, quota, size, shed, admission, no_replica).", ["bucket", "reason"], registry=r)
+                                "(auth, quota, size, invalid, slow_client, shed, draining, no_replica, timeout).",
+                                ["bucket", "reason"], registry=r)
         self.inflight = Gauge("slofleet:router_inflight_requests", "Requests open through the router.", ["bucket"],
                               registry=r)
         self.retries = Counter("slofleet:router_retries", "Requests retried on another replica before their first "
@@ -29,5 +30,7 @@ class RouterMetrics:
                                  "prefilled: disaggregated (on a prefill replica), direct (a short prompt, on the "
                                  "serving replica), fallback (a long prompt while no prefill replica was ready).",
                                  ["bucket", "route"], registry=r)
+        self.cut = Counter("slofleet:router_streams_cut", "Responses cut after their first byte, by reason "
+                           "(replica_failed, idle_timeout, shutdown).", ["bucket", "reason"], registry=r)
         self.held = Gauge(ROUTER_HELD, "Requests waiting for a serving replica to become ready "
                           "(the autoscaler's signal to scale up from zero).", ["bucket"], registry=r)

@@ -1,11 +1,13 @@
 """The router: a raw ASGI app in front of the engines (raw ASGI and an aiohttp client because every
 microsecond here is added to every request's time to first byte).
 
-A generation request passes: auth (401) -> size limits (413) -> per-key quota (429) -> bucket classification ->
-admission and shedding by priority (429) -> replica choice -> proxy. Nothing is sent to the client before the
-upstream's first body chunk, so any failure until then (refused connection, a replica killed mid-prefill, a 503
-from a draining one, a 429 from a full one) is retried on another replica and the client never sees it. A client
-that disconnects cancels the proxy task, which closes the upstream connection: the engine aborts the request.
+A generation request passes: auth (401) -> size limits (413) -> validation of what quotas charge (400) ->
+per-key quota (429) -> bucket classification -> admission and shedding by priority (429) -> replica choice ->
+proxy (upstream.py). Nothing is sent to the client before the upstream's first body chunk, so any failure until
+then (refused connection, a replica killed mid-prefill, a 503 from a draining one, a 429 from a full one) is
+retried on another replica and the client never sees it. A client that disconnects cancels the proxy task, which
+closes the upstream connection: the engine aborts the request. A client must send its whole body within
+`body_timeout` (408), so a slow one cannot hold a request open.
 
 Prefill/decode disaggregation: a prompt of at least `prefill_threshold_tokens` (estimated) goes to a decode
 replica with the header x-slofleet-prefill-url naming a prefill replica (chosen like any replica: prefix
@@ -14,7 +16,9 @@ Shorter prompts, and long ones while no prefill replica is ready, go to a decode
 prefills itself: a prefill pool scaled to zero or failing costs latency, never requests.
 
 Scale from zero: while no replica that can serve the request is ready, it is held (up to `hold_timeout`) until
-one is, and counted in slofleet:router_held_requests, the signal the autoscaler scales a pool up from zero on."""
+one is, and counted in slofleet:router_held_requests, the signal the autoscaler scales a pool up from zero on.
+
+Draining (SIGTERM, see server.py): /ready and new generation requests answer 503 at once, open streams go on."""
 from __future__ import annotations
 
 import asyncio
@@ -28,21 +32,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from slofleet.api import v1alpha1 as api
-from slofleet.api.contract import BUCKET_HEADER, DECODE, PREFILL, PREFILL_HEADER, REPLICA_HEADER, UNIFIED
+from slofleet.api.contract import BUCKET_HEADER
 
 from .balancer import Balancer, prefix_key
-from .buckets import Admission, Bucket, Classifier, Ticket
+from .buckets import Admission, Bucket, Classifier
 from .gateway import GatewayError, KeyStore, Quotas
 from .metrics import RouterMetrics
 from .replicas import ReplicaSet
-from .wire import RoutedBody, error_body, headers_of, respond, until_disconnect
+from .upstream import GENERATE, RETRYABLE, SERVING, Upstream
+from .wire import RoutedBody, error_body, headers_of, internal_auth, invalid, respond, until_disconnect
 
 log = logging.getLogger("slofleet.router")
-GENERATE = ("/v1/completions", "/v1/chat/completions")
-PASS_HEADERS = (b"content-type", b"content-length", b"retry-after")
 FORWARD_HEADERS = ("x-request-id", "traceparent", "tracestate")
-RETRYABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
-SERVING = (UNIFIED, DECODE)  # roles that run whole requests; a prefill replica only ever prefills
+COMPLETIONS_MAX_TOKENS = 16  # what /v1/completions generates without max_tokens (OpenAI's default, the engine's)
 
 
 @dataclass
@@ -53,10 +55,17 @@ class RouterConfig:
     max_attempts: int = 3
     affinity_chars: int = 256
     connect_timeout: float = 2.0
+    # A long prompt queued behind others on a CPU engine still starts within it; a hung engine does not hold
+    # the request for ever.
+    ttfb_timeout: float = 300.0  # request sent to its first token, over all tries (then 504)
+    idle_timeout: float = 60.0  # the longest silence between two chunks of a started answer (then an SSE error)
+    body_timeout: float = 30.0  # for the client to send its whole request body (then 408)
     replica_header: bool = False  # answer with REPLICA_HEADER (tests, debugging)
     # the resource's defaults (its field descriptions say what they do), so a local router behaves the same
     prefill_threshold_tokens: int = api.Topology.model_fields["prefill_threshold_tokens"].default
     hold_timeout: float = api.Router.model_fields["hold_timeout_seconds"].default  # waiting for a ready replica
+    # the engines' context length until one lists its own in /v1/models (the operator passes the resource's)
+    max_model_len: int = api.Engine.model_fields["max_model_len"].default
 
 
 class Router:
@@ -65,6 +74,7 @@ class Router:
         self.cfg, self.replicas, self.classifier = cfg, replicas, classifier
         self.keys, self.quotas, self.balancer = keys, quotas, balancer
         self.metrics = RouterMetrics()
+        self.upstream = Upstream(cfg, replicas, balancer, classifier, self.metrics)
         self.inflight = 0
         self.session: aiohttp.ClientSession | None = None
         self.tasks: list[asyncio.Task] = []
@@ -84,8 +94,9 @@ class Router:
         if method == "GET" and path == "/health":
             return await respond(send, 200, b"ok", b"text/plain")
         if method == "GET" and path == "/ready":
-            ok = bool(self.replicas.ready(SERVING))
-            return await respond(send, 200 if ok else 503, b"ready" if ok else b"no ready replica", b"text/plain")
+            ok = not self.draining and bool(self.replicas.ready(SERVING))
+            why = b"draining" if self.draining else b"no ready replica"
+            return await respond(send, 200 if ok else 503, b"ready" if ok else why, b"text/plain")
         if method == "GET" and path == "/metrics":
             for r in self.replicas.replicas.values():
                 self.metrics.replica_up.labels(r.url).set(1 if r.ready else 0)
@@ -94,13 +105,23 @@ class Router:
             return await self.models(scope, send)
         await respond(send, 404, error_body(404, f"no route {method} {path}", "not_found_error"))
 
+    @property
+    def draining(self) -> bool:
+        return self.upstream.draining
+
+    def drain(self) -> None:
+        log.info("draining: /ready and new requests answer 503, %d open requests may finish", self.inflight)
+        self.upstream.draining = True
+
     async def lifespan(self, receive, send) -> None:
         while True:
             msg = await receive()
             if msg["type"] == "lifespan.startup":
                 self.session = aiohttp.ClientSession(
                     connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True), auto_decompress=False,
-                    timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout))
+                    timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout),
+                    headers=internal_auth())  # on every request to an engine; a client's own is never sent
+                self.upstream.session = self.session
                 self.tasks = [asyncio.create_task(self.replicas.run()), asyncio.create_task(self.reload_keys())]
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
@@ -113,10 +134,7 @@ class Router:
     async def reload_keys(self) -> None:
         while True:  # a rotated Secret's file changes under us; pick it up within seconds
             await asyncio.sleep(5)
-            try:
-                self.keys.reload()
-            except OSError as e:
-                log.warning("reloading API keys failed: %s", e)
+            self.keys.reload()  # a bad file is logged there, and the keys loaded before stay
 
     async def models(self, scope, send) -> None:
         try:
@@ -125,7 +143,8 @@ class Router:
             return await respond(send, e.status, error_body(e.status, e.message, e.kind))
         for r in self.replicas.ready():
             try:
-                async with self.session.get(r.url + "/v1/models") as resp:
+                async with self.session.get(r.url + "/v1/models",
+                                            timeout=aiohttp.ClientTimeout(total=self.cfg.idle_timeout)) as resp:
                     return await respond(send, resp.status, await resp.read())
             except RETRYABLE as e:
                 self.replicas.mark_failed(r, str(e))
@@ -147,12 +166,28 @@ class Router:
             more = msg.get("more_body", False)
         return b"".join(chunks)
 
+    def output_bound(self, path: str, prompt_tokens: int, requested: int | None) -> int:
+        """The output tokens to charge: what the engine may generate for this request, never past its context
+        (absent max_tokens, a chat completion may run to the end of the context)."""
+        room = max(1, (self.replicas.max_model_len or self.cfg.max_model_len) - prompt_tokens)
+        if requested is None:
+            requested = COMPLETIONS_MAX_TOKENS if path == GENERATE[0] else room
+        return min(requested, room)
+
     async def generate(self, scope, receive, send) -> None:
         t0, path, headers = time.perf_counter(), scope["path"], headers_of(scope)
         bucket: Bucket | None = None
+        if self.draining:
+            return await self.reject(send, None, "draining", 503, "the router is shutting down; retry the request",
+                                     "unavailable", 1)
         try:
             quota = self.keys.authenticate(headers)
-            data = json.loads(await self.read_body(receive, headers))
+            try:
+                raw = await asyncio.wait_for(self.read_body(receive, headers), self.cfg.body_timeout)
+            except asyncio.TimeoutError:
+                raise GatewayError(408, f"the request body did not arrive within {self.cfg.body_timeout:g} s",
+                                   "invalid_request_error") from None
+            data = json.loads(raw)
             body = RoutedBody.model_validate(data)
             text, n_ids = body.text_and_ids()
             tokens = n_ids if n_ids is not None else self.classifier.estimate_tokens(len(text))
@@ -160,18 +195,21 @@ class Router:
                 raise GatewayError(413, f"prompt of ~{tokens} tokens is over the limit of {self.cfg.max_prompt_tokens}",
                                    "invalid_request_error")
             if quota is not None:
-                self.quotas.charge(quota, tokens, body.output_tokens())
+                self.quotas.charge(quota, tokens, self.output_bound(path, tokens, body.output_tokens()))
             bucket = self.classifier.classify(tokens, body.output_tokens(), headers, path)
             # With none ready, one replica's worth is admitted and held for the first to come up.
             ready = len(self.replicas.ready(SERVING)) or (1 if self.cfg.hold_timeout > 0 else 0)
             capacity = self.cfg.capacity_per_replica * ready
             ticket = self.classifier.admit(bucket, tokens, self.inflight, capacity)
         except GatewayError as e:
-            reason = {401: "auth", 413: "size"}.get(e.status, "quota")
+            reason = {401: "auth", 408: "slow_client", 413: "size"}.get(e.status, "quota")
             return await self.reject(send, bucket, reason, e.status, e.message, e.kind, e.retry_after)
         except Admission as e:
             return await self.reject(send, bucket, "shed", 429, str(e), "rate_limit_exceeded", e.retry_after)
-        except (json.JSONDecodeError, UnicodeDecodeError, ValidationError, TypeError) as e:
+        except ValidationError as e:
+            return await self.reject(send, bucket, "invalid", 400, f"invalid request: {invalid(e)}",
+                                     "invalid_request_error")
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
             return await self.reject(send, bucket, "invalid", 400, f"the request body is not an OpenAI request: {e}",
                                      "invalid_request_error")
         except asyncio.CancelledError:
@@ -182,16 +220,16 @@ class Router:
         key = prefix_key(text, self.cfg.affinity_chars)
         self.inflight += 1
         self.metrics.inflight.labels(bucket.name).inc()
-        work = asyncio.ensure_future(self.forward(send, path, json.dumps(data).encode(), upstream_headers, key,
-                                                  ticket, t0, tokens))
+        work = asyncio.ensure_future(self.upstream.forward(send, path, json.dumps(data).encode(), upstream_headers,
+                                                           key, ticket, t0, tokens))
         watch = asyncio.ensure_future(until_disconnect(receive))
         try:
             await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                work.cancel()  # the client left: closing the upstream connection aborts it in the engine
-            await asyncio.gather(work, return_exceptions=True)
-        finally:
+        finally:  # done, the client left, or this task was cancelled (the shutdown's grace period ran out)
             watch.cancel()
+            if not work.done():
+                work.cancel()  # closing the upstream connection aborts the request in the engine
+            await asyncio.gather(work, return_exceptions=True)
             self.classifier.release(ticket)
             self.inflight -= 1
             self.metrics.inflight.labels(bucket.name).dec()
@@ -203,126 +241,3 @@ class Router:
         self.metrics.requests.labels(name, str(status)).inc()
         extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
         await respond(send, status, error_body(status, message, kind), headers=extra)
-
-    async def hold(self, bucket: str, deadline: float) -> bool:
-        """Wait until some serving replica is ready (True) or the deadline passes (False)."""
-        self.metrics.held.labels(bucket).inc()
-        try:
-            while not self.replicas.ready(SERVING):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                try:
-                    await asyncio.wait_for(self.replicas.became_ready.wait(), left)
-                except asyncio.TimeoutError:
-                    return False
-            return True
-        finally:
-            self.metrics.held.labels(bucket).dec()
-
-    async def open_upstream(self, path: str, payload: bytes, headers: dict, key: int | None, ticket: Ticket,
-                            tokens: int):
-        """Open the request on some replica and read its first chunk, trying others on failure. Returns
-        (replica, response, first chunk), or (None, status, error body) when every try failed."""
-        tried: set[str] = set()
-        bad_prefill: set[str] = set()
-        last: tuple[int, bytes] = (503, error_body(503, "no ready replica to serve this request", "unavailable"))
-        name = ticket.bucket.name
-        long_prompt = tokens >= self.cfg.prefill_threshold_tokens
-        hold_until = time.monotonic() + self.cfg.hold_timeout
-        for attempt in range(self.cfg.max_attempts):
-            replica = self.balancer.choose(self.replicas.ready(SERVING), key, tried)
-            if replica is None and not tried and not self.replicas.ready(SERVING):
-                if await self.hold(name, hold_until):
-                    replica = self.balancer.choose(self.replicas.ready(SERVING), key, tried)
-                else:
-                    last = (503, error_body(503, f"no ready replica of role {' or '.join(SERVING)} came up within "
-                                                 f"{self.cfg.hold_timeout:g} s; the fleet may be scaled to zero "
-                                                 "or failing", "unavailable"))
-            if replica is None:
-                break
-            if attempt:
-                self.metrics.retries.labels(name).inc()
-            tried.add(replica.url)
-            prefill = None
-            if long_prompt:
-                prefill = self.balancer.choose(self.replicas.ready((PREFILL,)), key, bad_prefill)
-            how = "least-load" if key is None and self.balancer.policy == "prefix" else self.balancer.policy
-            self.metrics.routed.labels(name, how).inc()
-            replica.inflight += 1
-            send_headers = headers
-            if prefill is not None:
-                prefill.inflight += 1
-                send_headers = {**headers, PREFILL_HEADER: prefill.url}
-            resp = None
-            try:
-                resp = await self.session.post(replica.url + path, data=payload, headers=send_headers)
-                body = await resp.read() if resp.status >= 400 else None  # errors are small JSON bodies
-                if body is not None and prefill is not None and b"prefill engine" in body:
-                    # the prefill replica failed or is full, not the decode one: the same decode replica tries
-                    # again with another prefill replica, or prefills itself
-                    bad_prefill.add(prefill.url)
-                    tried.discard(replica.url)
-                    if resp.status == 502:
-                        self.replicas.mark_failed(prefill, "failed for a decode replica")
-                    raise LookupError
-                if resp.status in (429, 503):  # full or draining: another replica may take it
-                    last = (resp.status, body)
-                    if resp.status == 503:
-                        self.replicas.mark_failed(replica, "answered 503")
-                    raise LookupError
-                first = body if body is not None else await resp.content.readany()
-                if path == GENERATE[1] and b'"role"' in first and first.count(b"\n\n") == 1:
-                    # a chat stream opens with a role-only event before any token: hold it back until the first
-                    # token, so a replica that fails during prefill is still retried elsewhere
-                    first += await resp.content.readany()
-                route = "disaggregated" if prefill is not None else "fallback" if long_prompt else "direct"
-                self.metrics.pd_routes.labels(name, route).inc()
-                return replica, resp, first
-            except RETRYABLE as e:
-                self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
-                last = (502, error_body(502, f"replica failed before answering: {type(e).__name__}", "bad_gateway"))
-            except LookupError:
-                pass
-            except BaseException:
-                replica.inflight -= 1
-                if resp is not None:
-                    resp.close()
-                raise
-            finally:
-                if prefill is not None:
-                    prefill.inflight -= 1
-            replica.inflight -= 1
-            if resp is not None:
-                resp.close()
-        return None, last[0], last[1]
-
-    async def forward(self, send, path: str, payload: bytes, headers: dict, key: int | None, ticket: Ticket,
-                      t0: float, tokens: int) -> None:
-        name = ticket.bucket.name
-        replica, resp, first = await self.open_upstream(path, payload, headers, key, ticket, tokens)
-        self.classifier.release(ticket)  # no longer waiting: the engine has started on it
-        if replica is None:
-            self.metrics.requests.labels(name, str(resp)).inc()
-            self.metrics.rejected.labels(name, "no_replica").inc()
-            return await respond(send, resp, first, headers=[(b"retry-after", b"1")] if resp in (429, 503) else [])
-        done = False
-        try:
-            out = [(k, v) for k, v in resp.raw_headers if k.lower() in PASS_HEADERS]
-            out.append((BUCKET_HEADER.encode(), name.encode()))
-            if self.cfg.replica_header:
-                out.append((REPLICA_HEADER.encode(), replica.url.encode()))
-            await send({"type": "http.response.start", "status": resp.status, "headers": out})
-            await send({"type": "http.response.body", "body": first, "more_body": True})
-            self.metrics.ttfb.labels(name).observe(time.perf_counter() - t0)
-            self.metrics.requests.labels(name, str(resp.status)).inc()
-            async for chunk in resp.content.iter_any():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-            done = True
-        except RETRYABLE as e:  # after the first byte nothing can be retried: end the response
-            log.warning("replica %s failed mid-response: %s", replica.url, e)
-            self.replicas.mark_failed(replica, str(e))
-        finally:
-            replica.inflight -= 1
-            resp.release() if done else resp.close()

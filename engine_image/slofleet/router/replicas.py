@@ -33,6 +33,8 @@ from slofleet.api.contract import (
     sum_by_name,
 )
 
+from .wire import internal_auth
+
 log = logging.getLogger("slofleet.router.replicas")
 
 SCRAPED = {NUM_WAITING: "waiting", NUM_RUNNING: "running", KV_USAGE: "kv_usage"}
@@ -48,6 +50,7 @@ class Replica:
     running: float = 0.0
     kv_usage: float = 0.0
     slow_probes: int = 0  # consecutive probes that timed out
+    max_model_len: int | None = None  # the engine's context length, from its /v1/models
 
     def load(self) -> float:
         """Requests on the replica: what this router sent, or what the engine reports when other routers
@@ -129,6 +132,7 @@ class ReplicaSet:
     on_change: Callable[[list[str]], None] | None = None
     # Set (and replaced) each time a replica turns ready: requests held while none was ready wait on it.
     became_ready: asyncio.Event = field(default_factory=asyncio.Event)
+    max_model_len: int | None = None  # the longest context any replica listed (kept while none is up)
 
     def __post_init__(self) -> None:
         self.set_urls(self.static)
@@ -176,13 +180,27 @@ class ReplicaSet:
             self.mark_failed(r, why)
         elif not r.ready:
             log.info("replica %s (%s) is ready", r.url, r.role)
+            await self.learn_context(client, r)
             r.ready = True
             self.became_ready.set()
             self.became_ready = asyncio.Event()
 
+    async def learn_context(self, client: aiohttp.ClientSession, r: Replica) -> None:
+        """Ask a replica turning ready for its context length (`max_model_len` in /v1/models, as slofleet and
+        vLLM list it): quotas charge a request without max_tokens for what the engine may generate."""
+        try:
+            async with client.get(r.url + "/v1/models") as resp:
+                r.max_model_len = int((await resp.json(content_type=None))["data"][0]["max_model_len"])
+        except Exception as e:  # whatever it answers, readiness is /ready's: the last known length stays
+            log.info("replica %s lists no max_model_len in /v1/models: %s", r.url, e)
+            return
+        self.max_model_len = max(x.max_model_len for x in self.replicas.values() if x.max_model_len)
+
     async def run(self) -> None:
         """Probe every replica every `interval` seconds, refreshing the list from the lister first."""
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as client:
+        # the internal token too: an engine asks it of /v1/models
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout), headers=internal_auth()) \
+                as client:
             while True:
                 if self.lister is not None:
                     try:

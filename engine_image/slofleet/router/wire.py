@@ -3,9 +3,10 @@ error bodies, and raw ASGI helpers."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slofleet.api import contract
 
@@ -15,8 +16,9 @@ class RoutedBody(BaseModel):
     model_config = ConfigDict(extra="allow")
     prompt: str | list[Any] | None = None
     messages: list[dict[str, Any]] | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    # Quotas are charged for them up front: a JSON integer >= 1 (a negative one would refill the key's budget).
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
 
     def text_and_ids(self) -> tuple[str, int | None]:
         """The flattened prompt text, and its token count when the prompt is already token ids."""
@@ -43,6 +45,16 @@ def error_body(status: int, message: str, kind: str) -> bytes:
     return json.dumps(contract.error_body(message, kind, code=status)).encode()
 
 
+def sse_error(status: int, message: str, kind: str) -> bytes:
+    """The event that ends a stream cut after its first byte (the openai client raises it as an APIError)."""
+    return b"data: " + error_body(status, message, kind) + b"\n\n"
+
+
+def invalid(e: ValidationError) -> str:
+    """A validation error in one line, naming each field."""
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
+
+
 async def respond(send, status: int, body: bytes, content_type: bytes = b"application/json",
                   headers: list[tuple[bytes, bytes]] = ()) -> None:
     await send({"type": "http.response.start", "status": status,
@@ -57,3 +69,11 @@ def headers_of(scope) -> dict[str, str]:
 async def until_disconnect(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def internal_auth() -> dict[str, str]:
+    """The header on every request to an engine: the service's internal token (contract.INTERNAL_TOKEN_ENV, from the
+    operator's Secret), which engines ask of /v1/*; none where it is unset. A client's own Authorization is the
+    router's to check and never reaches an engine."""
+    token = os.environ.get(contract.INTERNAL_TOKEN_ENV)
+    return {"authorization": f"Bearer {token}"} if token else {}

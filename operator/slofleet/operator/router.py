@@ -31,6 +31,8 @@ def router_args(svc: LLMService) -> list[str]:
             "--buckets", f"{CONFIG_DIR}/policy.json", "--policy", r.policy,
             "--prefill-threshold-tokens", str(svc.spec.topology.prefill_threshold_tokens),
             "--hold-timeout-seconds", str(r.hold_timeout_seconds),
+            # what a request without max_tokens is charged for, even before an engine is up to say it
+            "--max-model-len", str(svc.spec.engine.max_model_len),
             # open streams get as long to finish as the engines give theirs
             "--grace-period", str(svc.spec.engine.drain_seconds)]
 

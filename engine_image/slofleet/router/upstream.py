@@ -1,0 +1,204 @@
+"""An admitted request's trip to a replica and back: replica choice with retries before the first byte, holding
+while no replica is ready, the prefill hand-off header, and streaming the answer to the client.
+
+Two read timeouts bound a replica that stops answering. Time to first byte (`ttfb_timeout`): one budget, from the
+first replica tried, for all tries to produce a first token; once spent the client gets 504 and the engine's
+request is aborted (its connection closed). Idle gap (`idle_timeout`): after the first byte, the longest silence
+between two chunks; a stream cut then, by a timeout, a failed replica or the router's shutdown, ends with an SSE
+error event (which the openai client raises) instead of stopping mid-way without a word."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import aiohttp
+
+from slofleet.api.contract import BUCKET_HEADER, DECODE, PREFILL, PREFILL_HEADER, REPLICA_HEADER, UNIFIED
+
+from .balancer import Balancer
+from .buckets import Classifier, Ticket
+from .metrics import RouterMetrics
+from .replicas import ReplicaSet
+from .wire import error_body, respond, sse_error
+
+log = logging.getLogger("slofleet.router")
+GENERATE = ("/v1/completions", "/v1/chat/completions")
+PASS_HEADERS = (b"content-type", b"content-length", b"retry-after")
+RETRYABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+SERVING = (UNIFIED, DECODE)  # roles that run whole requests; a prefill replica only ever prefills
+
+
+class Upstream:
+    def __init__(self, cfg, replicas: ReplicaSet, balancer: Balancer, classifier: Classifier,
+                 metrics: RouterMetrics):
+        self.cfg, self.replicas, self.balancer, self.classifier = cfg, replicas, balancer, classifier
+        self.metrics = metrics
+        self.session: aiohttp.ClientSession | None = None  # the Router's, opened at startup
+        self.draining = False  # set on SIGTERM: a stream cancelled from then on is one the grace period cut
+
+    async def hold(self, bucket: str, deadline: float) -> bool:
+        """Wait until some serving replica is ready (True) or the deadline passes (False)."""
+        self.metrics.held.labels(bucket).inc()
+        try:
+            while not self.replicas.ready(SERVING):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(self.replicas.became_ready.wait(), left)
+                except asyncio.TimeoutError:
+                    return False
+            return True
+        finally:
+            self.metrics.held.labels(bucket).dec()
+
+    async def first_chunk(self, url: str, path: str, payload: bytes, headers: dict) -> tuple:
+        """POST and read up to the first token: (response, first chunk), or the whole (small JSON) body of an
+        error status."""
+        resp = await self.session.post(url + path, data=payload, headers=headers)
+        try:
+            if resp.status >= 400:
+                return resp, await resp.read()
+            first = await resp.content.readany()
+            if path == GENERATE[1] and b'"role"' in first and first.count(b"\n\n") == 1:
+                # a chat stream opens with a role-only event before any token: hold it back until the first
+                # token, so a replica that fails during prefill is still retried elsewhere
+                first += await resp.content.readany()
+            return resp, first
+        except BaseException:
+            resp.close()
+            raise
+
+    async def open(self, path: str, payload: bytes, headers: dict, key: int | None, ticket: Ticket, tokens: int):
+        """Open the request on some replica and read its first chunk, trying others on failure. Returns
+        (replica, response, first chunk), or (None, status, error body) when every try failed."""
+        tried: set[str] = set()
+        bad_prefill: set[str] = set()
+        last: tuple[int, bytes] = (503, error_body(503, "no ready replica to serve this request", "unavailable"))
+        name = ticket.bucket.name
+        long_prompt = tokens >= self.cfg.prefill_threshold_tokens
+        hold_until, deadline = time.monotonic() + self.cfg.hold_timeout, None
+        for attempt in range(self.cfg.max_attempts):
+            replica = self.balancer.choose(self.replicas.ready(SERVING), key, tried)
+            if replica is None and not tried and not self.replicas.ready(SERVING):
+                if await self.hold(name, hold_until):
+                    replica = self.balancer.choose(self.replicas.ready(SERVING), key, tried)
+                else:
+                    last = (503, error_body(503, f"no ready replica of role {' or '.join(SERVING)} came up within "
+                                                 f"{self.cfg.hold_timeout:g} s; the fleet may be scaled to zero "
+                                                 "or failing", "unavailable"))
+            if replica is None:
+                break
+            if attempt:
+                self.metrics.retries.labels(name).inc()
+            deadline = deadline or time.monotonic() + self.cfg.ttfb_timeout  # held time is not the replica's
+            tried.add(replica.url)
+            prefill = None
+            if long_prompt:
+                prefill = self.balancer.choose(self.replicas.ready((PREFILL,)), key, bad_prefill)
+            how = "least-load" if key is None and self.balancer.policy == "prefix" else self.balancer.policy
+            self.metrics.routed.labels(name, how).inc()
+            replica.inflight += 1
+            send_headers = headers
+            if prefill is not None:
+                prefill.inflight += 1
+                send_headers = {**headers, PREFILL_HEADER: prefill.url}
+            resp = None
+            try:
+                resp, first = await asyncio.wait_for(self.first_chunk(replica.url, path, payload, send_headers),
+                                                     deadline - time.monotonic())
+                if resp.status >= 400 and prefill is not None and b"prefill engine" in first:
+                    # the prefill replica failed or is full, not the decode one: the same decode replica tries
+                    # again with another prefill replica, or prefills itself
+                    bad_prefill.add(prefill.url)
+                    tried.discard(replica.url)
+                    if resp.status == 502:
+                        self.replicas.mark_failed(prefill, "failed for a decode replica")
+                    raise LookupError
+                if resp.status in (429, 503):  # full or draining: another replica may take it
+                    last = (resp.status, first)
+                    if resp.status == 503:
+                        self.replicas.mark_failed(replica, "answered 503")
+                    raise LookupError
+                route = "disaggregated" if prefill is not None else "fallback" if long_prompt else "direct"
+                self.metrics.pd_routes.labels(name, route).inc()
+                return replica, resp, first
+            except aiohttp.ClientError as e:  # its connect timeout too: a dead replica, not a slow one
+                self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
+                last = (502, error_body(502, f"replica failed before answering: {type(e).__name__}", "bad_gateway"))
+            except asyncio.TimeoutError:  # busy, maybe not dead: it stays in rotation, the budget is spent
+                last = (504, error_body(504, f"no replica started answering within {self.cfg.ttfb_timeout:g} s",
+                                        "gateway_timeout"))
+                break
+            except OSError as e:
+                self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
+                last = (502, error_body(502, f"replica failed before answering: {type(e).__name__}", "bad_gateway"))
+            except LookupError:
+                pass
+            except BaseException:
+                replica.inflight -= 1
+                if resp is not None:
+                    resp.close()
+                raise
+            finally:
+                if prefill is not None:
+                    prefill.inflight -= 1
+            replica.inflight -= 1
+            if resp is not None:
+                resp.close()
+        return None, last[0], last[1]
+
+    async def forward(self, send, path: str, payload: bytes, headers: dict, key: int | None, ticket: Ticket,
+                      t0: float, tokens: int) -> None:
+        name = ticket.bucket.name
+        replica, resp, first = await self.open(path, payload, headers, key, ticket, tokens)
+        self.classifier.release(ticket)  # no longer waiting: the engine has started on it
+        if replica is None:
+            self.metrics.requests.labels(name, str(resp)).inc()
+            self.metrics.rejected.labels(name, "timeout" if resp == 504 else "no_replica").inc()
+            return await respond(send, resp, first, headers=[(b"retry-after", b"1")] if resp in (429, 503) else [])
+        done, last, cut = False, first, None
+        try:
+            out = [(k, v) for k, v in resp.raw_headers if k.lower() in PASS_HEADERS]
+            out.append((BUCKET_HEADER.encode(), name.encode()))
+            if self.cfg.replica_header:
+                out.append((REPLICA_HEADER.encode(), replica.url.encode()))
+            await send({"type": "http.response.start", "status": resp.status, "headers": out})
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            self.metrics.ttfb.labels(name).observe(time.perf_counter() - t0)
+            self.metrics.requests.labels(name, str(resp.status)).inc()
+            if resp.connection is not None:  # None once the whole answer is in
+                # aiohttp's own read timer, re-armed on every byte received: no timer per chunk here
+                resp.connection.protocol.read_timeout = self.cfg.idle_timeout
+                resp.connection.protocol.start_timeout()
+            async for chunk in resp.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                last = chunk
+            await send({"type": "http.response.body", "body": b""})
+            done = True
+        except asyncio.TimeoutError:  # aiohttp's read timer: the replica went quiet (it stays in rotation)
+            cut = ("idle_timeout", 504, f"the replica sent nothing for {self.cfg.idle_timeout:g} s", "gateway_timeout")
+        except RETRYABLE as e:  # after the first byte nothing can be retried: end the response
+            self.replicas.mark_failed(replica, str(e))
+            cut = ("replica_failed", 502, f"the replica failed mid-response: {type(e).__name__}", "bad_gateway")
+        except asyncio.CancelledError:  # the client left, or the shutdown's grace period ran out
+            if self.draining:
+                cut = ("shutdown", 503, "the router is shutting down; retry the request", "unavailable")
+            raise
+        finally:
+            replica.inflight -= 1
+            resp.release() if done else resp.close()
+            if cut is not None:
+                await self.end_cut_stream(send, resp, name, last, replica.url, *cut)
+
+    async def end_cut_stream(self, send, resp, bucket: str, last: bytes, url: str, reason: str, status: int,
+                             message: str, kind: str) -> None:
+        log.warning("stream from replica %s cut: %s", url, message)
+        self.metrics.cut.labels(bucket, reason).inc()
+        if resp.content_type != "text/event-stream":
+            return  # a JSON answer short of its content-length: the client sees the connection close early
+        sep = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a half-sent event first
+        with contextlib.suppress(Exception):  # the client may be gone
+            await send({"type": "http.response.body", "body": sep + sse_error(status, message, kind)})
