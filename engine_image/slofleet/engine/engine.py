@@ -155,7 +155,8 @@ class LLMEngine:
                            kv_blocks_total=pool.num_blocks, kv_blocks_free=pool.num_free,
                            prefix_queries=self.kv.stats.queries, prefix_hits=self.kv.stats.hits,
                            preemptions_by_bucket=dict(sched.preemptions_by_bucket),
-                           admission_refusals=sched.admission_refusals, steps=replace(self.step_stats))
+                           admission_refusals=sched.admission_refusals, steps=replace(self.step_stats),
+                           dtype=self.runner.dtype_choice)
 
     # -- one step ------------------------------------------------------------------------
     def _drain_inboxes(self) -> list[RequestOutput]:

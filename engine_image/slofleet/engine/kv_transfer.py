@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .dtype_probe import DTYPES
 from .errors import UpstreamError
 
 if TYPE_CHECKING:
     from .request import Request
     from .runner import ModelRunner
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -54,7 +54,7 @@ class KVPayload:
         try:
             (n,) = struct.unpack_from("<I", data)
             h = json.loads(data[4:4 + n])
-            dtype = _DTYPES[h["dtype"]]
+            dtype = DTYPES[h["dtype"]]
             shape = tuple(int(x) for x in h["shape"])
             body = torch.frombuffer(bytearray(data[4 + n:]), dtype=torch.uint8)
             half = body.numel() // 2

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from . import cuda_graphs
+from . import cuda_graphs, dtype_probe
 from .attention import AttentionBackend, AttentionMetadata, TorchAttention
 from .config import EngineConfig
 from .loader import load_config, read_tensors
@@ -16,32 +16,20 @@ from .request import Request
 log = logging.getLogger("slofleet.engine.runner")
 
 
-def cpu_has_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, path: Path, max_len: int):
         self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.hf_config = load_config(path)
+        self.dtype_choice = dtype_probe.choose(config.dtype, self.device, self.hf_config.hidden_size,
+                                               self.hf_config.intermediate_size)
+        self.dtype = dtype_probe.DTYPES[self.dtype_choice.dtype]
         self.attention: AttentionBackend
         if self.device.type == "cuda":
             from .triton_attention import TritonAttention  # lazy: the CPU path never imports triton

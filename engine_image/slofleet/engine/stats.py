@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .dtype_probe import DtypeChoice
+
 
 @dataclass(slots=True, kw_only=True)
 class StepStats:
@@ -25,6 +27,7 @@ class EngineStats:
     preemptions_by_bucket: dict[str, int]
     admission_refusals: int
     steps: StepStats
+    dtype: DtypeChoice  # what --dtype resolved to, and the probe's figures behind it
 
     @property
     def waiting(self) -> int:

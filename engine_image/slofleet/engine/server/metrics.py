@@ -84,6 +84,12 @@ class EngineCollector:
                       st.admission_refusals)
         yield family(CounterMetricFamily, "slofleet:preemptions_by_bucket", "Preemptions per bucket.",
                      {(b,): n for b, n in st.preemptions_by_bucket.items()}, ("bucket",))
+        yield family(GaugeMetricFamily, "slofleet:dtype_info", "The dtype the engine runs in (1), and why: flag, "
+                     "gpu, or probe (the faster of fp32/bf16 measured on this CPU).",
+                     {(st.dtype.dtype, st.dtype.reason): 1}, ("dtype", "reason"))
+        yield family(GaugeMetricFamily, "slofleet:dtype_probe_gflops", "GEMM rate the dtype probe measured at the "
+                     "model's prefill and decode shapes.", {(d, shape): v for d, f in st.dtype.gflops.items()
+                                                           for shape, v in f.items()}, ("dtype", "shape"))
 
 
 class Metrics:

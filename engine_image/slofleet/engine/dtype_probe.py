@@ -1,0 +1,94 @@
+"""`--dtype auto` on the CPU: measure, don't guess. A CPU with avx512_bf16 but no AMX can run bf16 GEMMs slower than
+fp32, so a short probe times both at the model's own prefill and decode shapes and picks the faster. The answer is
+cached per CPU model, torch version, thread count and shape, so later starts skip the probe."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .loader import cache_root
+
+log = logging.getLogger("slofleet.engine.dtype")
+PREFILL_ROWS, DECODE_ROWS = 512, 16
+# A step mix to weigh the two shapes by: one prefill chunk per DECODES_PER_PREFILL decode steps.
+DECODES_PER_PREFILL = 8
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CANDIDATES = ("float32", "bfloat16")
+
+
+@dataclass(slots=True, kw_only=True)
+class DtypeChoice:
+    dtype: str
+    reason: str  # "flag", "gpu" or "probe"
+    gflops: dict[str, dict[str, float]]  # dtype -> {"prefill": GFLOP/s, "decode": GFLOP/s}; empty unless probed
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gemm_gflops(rows: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.05) -> float:
+    a, b = torch.randn(rows, k).to(dtype), torch.randn(k, n).to(dtype)
+    torch.mm(a, b)  # warm-up: first calls pay for kernel selection
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        reps += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds and reps >= 3:
+            return 2 * rows * k * n * reps / elapsed / 1e9
+
+
+def step_seconds(figures: dict[str, float], k: int, n: int) -> float:
+    """Time of the weighted step mix at these rates (the decision rule)."""
+    flop = 2 * k * n
+    return (PREFILL_ROWS * flop / figures["prefill"] + DECODES_PER_PREFILL * DECODE_ROWS * flop / figures["decode"])
+
+
+def probe(hidden: int, intermediate: int) -> dict[str, dict[str, float]]:
+    return {name: {"prefill": gemm_gflops(PREFILL_ROWS, hidden, intermediate, DTYPES[name]),
+                   "decode": gemm_gflops(DECODE_ROWS, hidden, intermediate, DTYPES[name])} for name in CANDIDATES}
+
+
+def cache_file() -> Path:
+    return cache_root() / "dtype-probe.json"
+
+
+def choose(name: str, device: torch.device, hidden: int, intermediate: int) -> DtypeChoice:
+    if name != "auto":
+        return DtypeChoice(dtype=name, reason="flag", gflops={})
+    if device.type == "cuda":
+        return DtypeChoice(dtype="bfloat16", reason="gpu", gflops={})
+    key = f"{cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{hidden}x{intermediate}"
+    path = cache_file()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key in cached:
+        return DtypeChoice(**cached[key])
+    figures = probe(hidden, intermediate)
+    best = min(figures, key=lambda d: step_seconds(figures[d], hidden, intermediate))
+    choice = DtypeChoice(dtype=best, reason="probe", gflops=figures)
+    log.info("dtype probe (%s): %s -> %s", key, json.dumps(figures), best)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**cached, key: asdict(choice)}, indent=1))
+        tmp.replace(path)
+    except OSError as e:  # a read-only cache only costs the probe again next start
+        log.warning("dtype probe not cached: %s", e)
+    return choice
