@@ -10,7 +10,7 @@ from slofleet.autoscaler import actuate
 from slofleet.autoscaler.policy import Decision, Fleet, Policy, PolicyConfig
 from slofleet.autoscaler.signals import History, RoleSignals, window
 from slofleet.autoscaler.sources import federate
-from tests.engine.server import free_port
+from tests.support.server import free_port
 
 SVC = LLMService.model_validate({
     "metadata": {"name": "chat", "namespace": "ns", "uid": "u1"},

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from .server import Server
+from tests.support.server import Server
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -11,8 +11,7 @@ import pytest
 from slofleet.api.contract import KV_MAC_HEADER, PREFILL_HEADER
 from slofleet.engine.kv_transfer import KVPayload
 from slofleet.engine.server.handoff import mac
-
-from .server import INTERNAL_TOKEN, prefill_decode_pair
+from tests.support.server import INTERNAL_TOKEN, prefill_decode_pair
 
 MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"authorization": f"Bearer {INTERNAL_TOKEN}"}  # as the router sends it

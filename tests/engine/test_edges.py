@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from .server import Server
+from tests.support.server import Server
 
 KEY = "sk-edge-test"
 

@@ -90,8 +90,7 @@ def test_a_dead_engine_loop_fails_probes_and_requests_and_exits():
     from slofleet.engine.config import EngineConfig
     from slofleet.engine.server.api import build_app
     from slofleet.engine.server.settings import ServerSettings
-
-    from .server import free_port
+    from tests.support.server import free_port
 
     port = free_port()
     app = build_app(EngineConfig(dtype="float32", num_blocks=64), ServerSettings(port=port))

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from tests.engine.server import ROOT, free_port, wait_http
+from tests.support import ROOT
+from tests.support.server import free_port, wait_http
 
 
 class RouterProc:

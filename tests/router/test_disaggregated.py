@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from slofleet.api.contract import INTERNAL_TOKEN_ENV
-from tests.engine.server import INTERNAL_TOKEN, prefill_decode_pair
+from tests.support.server import INTERNAL_TOKEN, prefill_decode_pair
 
 from .helpers import RouterProc, StandIn
 from .test_engines import DOC, ENGINE_FLAGS, MODEL

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.server import Server
+from tests.support.server import Server
 
 from .helpers import RouterProc
 

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.engine.server import free_port
+from tests.support.server import free_port
 
 from .helpers import RouterProc, StandIn
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from slofleet.router.gateway import GatewayError, KeyStore
-from tests.engine.server import ROOT
+from tests.support import ROOT
 
 from .helpers import RouterProc, StandIn
 

@@ -14,8 +14,7 @@ from pathlib import Path
 import httpx
 
 from slofleet.api.contract import INTERNAL_TOKEN_ENV
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
 
 
 def free_port() -> int:
