@@ -11,6 +11,8 @@ import pytest
 
 from tests.support.server import Server
 
+pytestmark = pytest.mark.slow
+
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

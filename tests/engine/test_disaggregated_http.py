@@ -13,6 +13,8 @@ from slofleet.engine.kv_transfer import KVPayload
 from slofleet.engine.server.handoff import mac
 from tests.support.server import INTERNAL_TOKEN, prefill_decode_pair
 
+pytestmark = pytest.mark.slow
+
 MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"authorization": f"Bearer {INTERNAL_TOKEN}"}  # as the router sends it
 

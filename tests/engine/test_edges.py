@@ -8,6 +8,8 @@ import pytest
 
 from tests.support.server import Server
 
+pytestmark = pytest.mark.slow
+
 KEY = "sk-edge-test"
 
 

@@ -24,6 +24,7 @@ def run(engine) -> list:
     return outs
 
 
+@pytest.mark.slow
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine, monkeypatch):
     reference = engine.add_request([1, 2, 3, 4], P)
     run(engine)
@@ -46,6 +47,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine, monkey
     assert again.output_token_ids == reference.output_token_ids and again.finish_reason is FinishReason.LENGTH
 
 
+@pytest.mark.slow
 def test_a_fault_in_every_step_escapes(engine, monkeypatch):
     def broken(*_):
         raise RuntimeError("injected fault")
@@ -59,6 +61,7 @@ def test_a_fault_in_every_step_escapes(engine, monkeypatch):
         engine.step()
 
 
+@pytest.mark.slow
 def test_stop_token_ids_outside_the_vocabulary_are_refused(engine):
     with pytest.raises(InvalidRequest, match="stop_token_ids out of range"):
         engine.add_request([1, 2], SamplingParams(stop_token_ids=[engine.vocab_size + 3], min_tokens=2))
@@ -78,6 +81,7 @@ def test_bucket_labels_stay_bounded():
     assert [configured.label(n) for n in ("chat", "doc", "default", "agent")] == ["chat", "doc", "default", "other"]
 
 
+@pytest.mark.slow
 def test_a_dead_engine_loop_fails_probes_and_requests_and_exits():
     """The server in-process (uvicorn in a thread) so a fault can be injected into its engine loop."""
     import asyncio

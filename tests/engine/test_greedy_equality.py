@@ -7,6 +7,8 @@ from slofleet.engine import LLMEngine, SamplingParams
 
 from .conftest import assert_matches_reference
 
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 24
 
 

@@ -7,6 +7,8 @@ from slofleet.engine import LLMEngine, SamplingParams
 from slofleet.engine.errors import UpstreamError
 from slofleet.engine.kv_transfer import KVPayload
 
+pytestmark = pytest.mark.slow
+
 P = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 

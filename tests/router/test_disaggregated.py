@@ -16,6 +16,8 @@ from tests.support.server import INTERNAL_TOKEN, prefill_decode_pair
 from .helpers import RouterProc, StandIn
 from .test_engines import DOC, ENGINE_FLAGS, MODEL
 
+pytestmark = pytest.mark.slow
+
 COMPUTED = "slofleet:prompt_tokens_computed_total{}"
 LONG = [{"role": "user", "content": DOC * 6 + "Which colours is the lighthouse painted?"}]  # ~300 tokens
 OTHER = [{"role": "user", "content": "A second port. " + DOC * 6 + "How many piers are there?"}]

@@ -15,6 +15,8 @@ from tests.support.server import Server
 
 from .helpers import RouterProc
 
+pytestmark = pytest.mark.slow
+
 MODEL = "SmolLM2-135M-Instruct"
 # one torch thread each: two engines on two cores must not oversubscribe them (OpenMP spinning then crawls)
 ENGINE_FLAGS = ("--max-num-seqs", "2", "--num-blocks", "256", "--max-waiting-requests", "64", "--num-threads", "1")
