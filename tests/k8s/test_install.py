@@ -23,6 +23,7 @@ def test_helm_lint_and_template_are_clean(cluster):
     deployments = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
                    for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"}
     assert "--router-cluster-role=slofleet-router" in deployments["slofleet-operator"]["args"]
+    assert f"--autoscaler-namespace={NS}" in deployments["slofleet-operator"]["args"]  # where the chart puts it
     assert deployments["slofleet-autoscaler"]["command"] == ["slofleet", "autoscaler"]
     assert deployments["slofleet-autoscaler"]["args"] == ["--kubernetes", "--cold-start=90"]
     off = cluster.helm("template", "slofleet", CHART, "--set", "autoscaler.enabled=false").stdout
@@ -41,7 +42,10 @@ def test_rendered_chart_applies_to_the_api_server(crds):
 def _operator_is_least_privilege(cluster, role: str) -> None:
     rules = cluster.get("clusterrole", role)["rules"]
     assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in rules)
-    assert not any("secrets" in r["resources"] for r in rules)
+    # Secrets and NetworkPolicies: each LLMService's trust boundary (its token, who may reach its engines).
+    touches = {(g, res): r["verbs"] for r in rules for g in r["apiGroups"] for res in r["resources"]}
+    for kind in (("", "secrets"), ("networking.k8s.io", "networkpolicies")):
+        assert touches[kind] == ["get", "list", "watch", "create", "update", "patch", "delete"]
     # It may bind the routers' ClusterRole, and no other, without holding that role's rules.
     assert [r.get("resourceNames") for r in rules if "bind" in r["verbs"]] == [["slofleet-router"]]
     router = cluster.get("clusterrole", "slofleet-router")["rules"]
@@ -64,6 +68,10 @@ def test_kubectl_apply_k_manifests(crds):
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
     assert "--standalone" in pod["containers"][0]["args"]
+    # The autoscaler's namespace (for the NetworkPolicies) is the operator's own, whatever kustomize names it.
+    assert {"name": "SLOFLEET_AUTOSCALER_NAMESPACE",
+            "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}} \
+        in pod["containers"][0]["env"]
     assert crds.get("clusterrolebinding", "slofleet-operator")["subjects"][0]["namespace"] == NS
     _operator_is_least_privilege(crds, "slofleet-operator")
     scaler = crds.get("deployment", "slofleet-autoscaler", NS)["spec"]["template"]["spec"]

@@ -25,7 +25,7 @@ def operator_templates(ns: str) -> dict[str, dict]:
     for (topo, topology), (source, model) in ((t, s) for t in TOPOLOGIES.items() for s in SOURCES.items()):
         svc = LLMService.model_validate({"metadata": {"name": "s", "namespace": ns, "uid": "u"},
                                          "spec": {"topology": topology, "model": model}})
-        for obj in children.desired(svc, children.Inputs(buckets=svc.spec.buckets)):
+        for obj in children.desired(svc, children.Inputs(buckets=svc.spec.buckets, internal_token="t")):
             if obj["kind"] == "Deployment":
                 out[f"{obj['metadata']['name']}-{source}-{topo}"] = obj["spec"]["template"]
     return out

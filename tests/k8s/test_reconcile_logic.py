@@ -20,6 +20,7 @@ def svc(spec: dict | None = None, status_: dict | None = None) -> LLMService:
 
 def build(s: LLMService, **inputs) -> dict[str, dict]:
     inputs.setdefault("buckets", s.spec.buckets)
+    inputs.setdefault("internal_token", "t0k3n")
     return {f"{o['kind']}/{o['metadata']['name']}": o for o in children.desired(s, children.Inputs(**inputs))}
 
 
@@ -35,7 +36,8 @@ def arg(container: dict, flag: str) -> str:
 def test_unified_defaults_produce_the_expected_children():
     objs = build(svc())
     assert sorted(objs) == ["ConfigMap/s-engine", "Deployment/s-router", "Deployment/s-unified", "PodDisruptionBudget/s",
-                            "RoleBinding/s-router", "Service/s-router", "Service/s-unified", "ServiceAccount/s-router"]
+                            "RoleBinding/s-router", "Secret/s-internal-token", "Service/s-router", "Service/s-unified",
+                            "ServiceAccount/s-router"]
     for o in objs.values():
         assert o["metadata"]["namespace"] == "ns"
         assert o["metadata"]["ownerReferences"] == [{"apiVersion": "slofleet.dev/v1alpha1", "kind": "LLMService",
@@ -59,8 +61,8 @@ def test_disaggregated_topology_has_a_deployment_and_service_per_role():
     objs = build(svc({"topology": {"mode": "disaggregated", "prefill": {"minReplicas": 2, "maxReplicas": 4},
                                    "decode": {"minReplicas": 1, "maxReplicas": 8, "replicas": 3}}}))
     assert sorted(objs) == ["ConfigMap/s-engine", "Deployment/s-decode", "Deployment/s-prefill", "Deployment/s-router",
-                            "PodDisruptionBudget/s", "RoleBinding/s-router", "Service/s-decode", "Service/s-prefill",
-                            "Service/s-router", "ServiceAccount/s-router"]
+                            "PodDisruptionBudget/s", "RoleBinding/s-router", "Secret/s-internal-token",
+                            "Service/s-decode", "Service/s-prefill", "Service/s-router", "ServiceAccount/s-router"]
     assert objs["Deployment/s-prefill"]["spec"]["replicas"] == 2
     assert objs["Deployment/s-decode"]["spec"]["replicas"] == 3
     assert arg(engine(objs, "prefill"), "--role") == "prefill" and arg(engine(objs, "decode"), "--role") == "decode"
@@ -207,8 +209,8 @@ def test_service_monitor_only_when_its_crd_exists():
 def test_children_are_deterministic():
     # Idempotence starts here: the same spec gives byte-identical children.
     s = svc({"buckets": BUCKETS, "topology": {"mode": "disaggregated", "prefill": {}, "decode": {}}})
-    assert json.dumps(children.desired(s, children.Inputs(s.spec.buckets))) == \
-        json.dumps(children.desired(s, children.Inputs(s.spec.buckets)))
+    assert json.dumps(children.desired(s, children.Inputs(s.spec.buckets, "t"))) == \
+        json.dumps(children.desired(s, children.Inputs(s.spec.buckets, "t")))
 
 
 def _dep(desired: int, ready: int, updated: int | None = None, gen: int = 2, seen: int = 2, conds=()):

@@ -227,6 +227,13 @@ class Router(_Model):
                                   "limits": {"cpu": "1", "memory": "512Mi"}})
 
 
+class Network(_Model):
+    """Who besides the service's router, its engines and the autoscaler may reach the engines (a NetworkPolicy)."""
+    gateway_namespace: str | None = Field(None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                                          description="namespace of a gateway (e.g. an endpoint picker) whose pods "
+                                          "may call the engines directly")
+
+
 class LLMServiceSpec(_Model):
     model: ModelSource = Field({})
     engine: Engine = Field({})
@@ -236,6 +243,7 @@ class LLMServiceSpec(_Model):
     buckets: list[Bucket] = Field([], max_length=32, json_schema_extra=_unique_buckets())
     autoscaling: Autoscaling = Field({})
     router: Router = Field({})
+    network: Network = Field({})
 
 
 class SLOPolicySpec(_Model):

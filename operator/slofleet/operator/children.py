@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from slofleet.api.contract import DECODE, ROLE_LABEL, SERVICE_LABEL, UNIFIED
 from slofleet.api.v1alpha1 import API_VERSION, Bucket, LLMService, Pool, RoleAutoscaling
-from slofleet.operator import router
+from slofleet.operator import router, trust
 from slofleet.operator.podspec import labels, pod_template
 
 
@@ -18,8 +18,11 @@ from slofleet.operator.podspec import labels, pod_template
 class Inputs:
     """Everything besides the resource itself that decides the children."""
     buckets: list[Bucket]  # spec.buckets, or the referenced SLOPolicy's
+    internal_token: str  # the Secret's (drawn once by reconcile.py, then read back from the Secret)
     service_monitor: bool = False  # the ServiceMonitor CRD exists in the cluster
+    network_policy: bool = False  # the API server serves NetworkPolicies
     router_cluster_role: str = router.DEFAULT_CLUSTER_ROLE  # what the router's RoleBinding grants (see router.py)
+    autoscaler_namespace: str = trust.AUTOSCALER_NAMESPACE  # its pods may scrape the engines
 
 
 def replicas(pool: Pool, autoscaling_on: bool, decision: RoleAutoscaling | None) -> int:
@@ -58,9 +61,10 @@ def config_map(svc: LLMService, inputs: Inputs) -> dict:
             "data": {"policy.json": json.dumps(policy, sort_keys=True, indent=2)}}
 
 
-def config_hash(cm: dict) -> str:
-    # In the pod template, so that a policy change rolls the pods that read it.
-    return hashlib.sha256(json.dumps(cm["data"], sort_keys=True).encode()).hexdigest()[:16]
+def config_hash(cm: dict, token: str) -> str:
+    # In the pod template, so that a policy change rolls the pods that read it, and a new token (a Secret edited
+    # or deleted and drawn anew) rolls them all: a container reads its env from the Secret only when it starts.
+    return hashlib.sha256(json.dumps([cm["data"], token], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def deployment(svc: LLMService, role: str, count: int, inputs: Inputs, cm: dict) -> dict:
@@ -72,7 +76,8 @@ def deployment(svc: LLMService, role: str, count: int, inputs: Inputs, cm: dict)
             "selector": {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: role}},
             # Surge, never drop below the count: a new engine must load its model before an old one drains.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": pod_template(svc, role, inputs.buckets, cm["metadata"]["name"], config_hash(cm)),
+            "template": pod_template(svc, role, inputs.buckets, cm["metadata"]["name"],
+                                     config_hash(cm, inputs.internal_token)),
         },
     }
 
@@ -98,16 +103,19 @@ def service_monitor(svc: LLMService) -> dict:
 
 
 def desired(svc: LLMService, inputs: Inputs) -> list[dict]:
-    """All children, in apply order (the ConfigMap before the pods that mount it)."""
-    cm = config_map(svc, inputs)
-    out = [cm]
+    """All children, in apply order (the ConfigMap and Secret before the pods that read them, the NetworkPolicies
+    before the pods they guard)."""
+    cm, owner = config_map(svc, inputs), owner_reference(svc)
+    out = [cm, trust.secret(svc, owner, inputs.internal_token)]
+    if inputs.network_policy:
+        out += trust.network_policies(svc, owner, inputs.autoscaler_namespace)
     auto = svc.spec.autoscaling.enabled
     for role, pool in svc.spec.topology.pools().items():
         count = replicas(pool, auto, svc.status.autoscaling.get(role))
         out += [deployment(svc, role, count, inputs, cm), service(svc, role)]
     if svc.spec.router.enabled:
-        out += router.children(svc, owner_reference(svc), inputs.router_cluster_role, cm["metadata"]["name"],
-                               config_hash(cm))
+        out += router.children(svc, owner, inputs.router_cluster_role, cm["metadata"]["name"],
+                               config_hash(cm, inputs.internal_token))
     out.append(pdb(svc))
     if inputs.service_monitor:
         out.append(service_monitor(svc))

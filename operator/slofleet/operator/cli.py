@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from slofleet.operator.router import DEFAULT_CLUSTER_ROLE
+    from slofleet.operator.trust import AUTOSCALER_NAMESPACE
 
     parser.add_argument("--namespace", "-n", action="append", default=[],
                         help="namespace to watch (repeatable); default: all namespaces")
@@ -19,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resync-seconds", type=float, default=30.0, help="periodic re-reconcile of every service")
     parser.add_argument("--router-cluster-role", default=DEFAULT_CLUSTER_ROLE,
                         help="ClusterRole each LLMService's router is bound to (listing EndpointSlices)")
+    parser.add_argument("--autoscaler-namespace",
+                        default=os.environ.get("SLOFLEET_AUTOSCALER_NAMESPACE", AUTOSCALER_NAMESPACE),
+                        help="namespace of the autoscaler, whose pods each service's NetworkPolicy lets scrape the "
+                             f"engines (default: $SLOFLEET_AUTOSCALER_NAMESPACE, else {AUTOSCALER_NAMESPACE})")
     parser.add_argument("--verbose", action="store_true")
 
 
@@ -28,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     from slofleet.operator import handlers
 
-    handlers.register(args.resync_seconds, args.router_cluster_role)
+    handlers.register(args.resync_seconds, args.router_cluster_role, args.autoscaler_namespace)
     if args.metrics_port:
         start_http_server(args.metrics_port)
 

@@ -14,7 +14,7 @@ import kopf
 from slofleet.api.contract import MANAGED_BY
 from slofleet.api.v1alpha1 import GROUP, VERSION
 from slofleet.operator import kube as kube_mod
-from slofleet.operator import metrics, router
+from slofleet.operator import metrics, router, trust
 from slofleet.operator.reconcile import reconcile
 
 PLURAL = "llmservices"
@@ -27,6 +27,7 @@ _running: set[tuple[str, str]] = set()
 _dirty: set[tuple[str, str]] = set()
 _decisions: dict[str, dict] = {}  # uid -> the last status.autoscaling seen
 _router_cluster_role = router.DEFAULT_CLUSTER_ROLE  # set by register()
+_autoscaler_namespace = trust.AUTOSCALER_NAMESPACE  # set by register()
 
 
 def kube() -> kube_mod.Kube:
@@ -63,7 +64,7 @@ def run_reconcile(body: dict, trigger: str) -> None:
 def reconcile_once(body: dict, trigger: str) -> None:
     start = time.monotonic()
     try:
-        out = reconcile(kube(), body, _router_cluster_role)
+        out = reconcile(kube(), body, _router_cluster_role, _autoscaler_namespace)
     except Exception as e:
         metrics.RECONCILES.labels(trigger, "error").inc()
         kopf.warn(body, reason="ReconcileFailed", message=str(e)[:500])
@@ -83,10 +84,10 @@ def reconcile_once(body: dict, trigger: str) -> None:
         kopf.warn(body, reason="PolicyNotFound", message=w)
 
 
-def register(resync_seconds: float, router_cluster_role: str) -> None:
+def register(resync_seconds: float, router_cluster_role: str, autoscaler_namespace: str) -> None:
     """Registers the handlers on kopf's default registry (called once, before kopf.run)."""
-    global _router_cluster_role
-    _router_cluster_role = router_cluster_role
+    global _router_cluster_role, _autoscaler_namespace
+    _router_cluster_role, _autoscaler_namespace = router_cluster_role, autoscaler_namespace
 
     @kopf.on.resume(GROUP, VERSION, PLURAL)
     @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -113,7 +114,8 @@ def register(resync_seconds: float, router_cluster_role: str) -> None:
 
     for group_version, plural in (("v1", "configmaps"), ("apps/v1", "deployments"), ("v1", "services"),
                                   ("policy/v1", "poddisruptionbudgets"), ("v1", "serviceaccounts"),
-                                  ("rbac.authorization.k8s.io/v1", "rolebindings")):
+                                  ("rbac.authorization.k8s.io/v1", "rolebindings"), ("v1", "secrets"),
+                                  ("networking.k8s.io/v1", "networkpolicies")):
         kopf.on.event(group_version, plural, labels=MANAGED_BY)(on_child_event)
 
 

@@ -18,7 +18,8 @@ FIELD_MANAGER = "slofleet-operator"
 # Kinds the operator owns and prunes (the ServiceMonitor only where its CRD exists).
 CHILD_KINDS = [("v1", "ConfigMap"), ("apps/v1", "Deployment"), ("v1", "Service"),
                ("policy/v1", "PodDisruptionBudget"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
-               ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "RoleBinding")]
+               ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "RoleBinding"), ("v1", "Secret"),
+               ("networking.k8s.io/v1", "NetworkPolicy")]
 
 
 def connect() -> dynamic.DynamicClient:

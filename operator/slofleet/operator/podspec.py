@@ -1,7 +1,14 @@
 """Pure: the engine pod template of one role (the `slofleet serve` command line, probes, resources, volumes)."""
 from __future__ import annotations
 
-from slofleet.api.contract import ENGINE_SETTINGS, MANAGED_BY, ROLE_LABEL, SERVICE_LABEL
+from slofleet.api.contract import (
+    ENGINE_SETTINGS,
+    INTERNAL_TOKEN_ENV,
+    INTERNAL_TOKEN_KEY,
+    MANAGED_BY,
+    ROLE_LABEL,
+    SERVICE_LABEL,
+)
 from slofleet.api.v1alpha1 import Bucket, LLMService
 
 CONFIG_DIR = "/etc/slofleet"
@@ -27,6 +34,17 @@ def restricted(pod: bool = False) -> dict:
         return {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
                 "seccompProfile": {"type": "RuntimeDefault"}}
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
+
+
+def secret_name(svc: LLMService) -> str:
+    return f"{svc.metadata['name']}-internal-token"
+
+
+def token_env(svc: LLMService) -> dict:
+    """The service's internal token (engines and router alike), from its Secret: read once, at the container's
+    start."""
+    return {"name": INTERNAL_TOKEN_ENV,
+            "valueFrom": {"secretKeyRef": {"name": secret_name(svc), "key": INTERNAL_TOKEN_KEY}}}
 
 
 def bucket_priorities(buckets: list[Bucket]) -> str:
@@ -101,7 +119,9 @@ def pod_template(svc: LLMService, role: str, buckets: list[Bucket], config_map: 
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "SLOFLEET_CONFIG_DIR", "value": CONFIG_DIR}]
-    env += [{"name": k, "value": v} for k, v in sorted({**SCRATCH_ENV, **e.env}.items())]  # the user's win
+    user = {k: v for k, v in e.env.items() if k != INTERNAL_TOKEN_ENV}  # the token comes from the Secret alone
+    env += [{"name": k, "value": v} for k, v in sorted({**SCRATCH_ENV, **user}.items())]  # the user's win
+    env.append(token_env(svc))
     container = {
         "name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy,
         "command": ["slofleet", "serve"], "args": serve_args(svc, role, buckets), "env": env,

@@ -5,11 +5,12 @@ an event on a child) and from tests.
 """
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 from slofleet.api.contract import ROLE_LABEL, now
 from slofleet.api.v1alpha1 import Bucket, LLMService, SLOPolicy
-from slofleet.operator import children, router, status
+from slofleet.operator import children, podspec, router, status, trust
 from slofleet.operator.kube import Kube
 
 
@@ -32,14 +33,18 @@ def resolve_buckets(kube: Kube, svc: LLMService, out: Outcome) -> list[Bucket]:
     return SLOPolicy.model_validate(raw).spec.buckets
 
 
-def reconcile(kube: Kube, body: dict, router_cluster_role: str = router.DEFAULT_CLUSTER_ROLE) -> Outcome:
+def reconcile(kube: Kube, body: dict, router_cluster_role: str = router.DEFAULT_CLUSTER_ROLE,
+              autoscaler_namespace: str = trust.AUTOSCALER_NAMESPACE) -> Outcome:
     svc = LLMService.model_validate(body)
     ns, name = svc.metadata["namespace"], svc.metadata["name"]
     out = Outcome()
-    inputs = children.Inputs(buckets=resolve_buckets(kube, svc, out),
-                             service_monitor=kube.has_kind("monitoring.coreos.com/v1", "ServiceMonitor"),
-                             router_cluster_role=router_cluster_role)
     existing = kube.children(ns, name)
+    # Drawn once, when the Secret is made; every later reconcile applies the token it holds.
+    token = trust.token_of(existing.get(("Secret", podspec.secret_name(svc)))) or secrets.token_urlsafe(32)
+    inputs = children.Inputs(buckets=resolve_buckets(kube, svc, out), internal_token=token,
+                             service_monitor=kube.has_kind("monitoring.coreos.com/v1", "ServiceMonitor"),
+                             network_policy=kube.has_kind("networking.k8s.io/v1", "NetworkPolicy"),
+                             router_cluster_role=router_cluster_role, autoscaler_namespace=autoscaler_namespace)
     wanted = children.desired(svc, inputs)
     applied: dict[str, dict] = {}
     for obj in wanted:

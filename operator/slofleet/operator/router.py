@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from slofleet.api.contract import ROLE_LABEL, ROUTER, SERVICE_LABEL
 from slofleet.api.v1alpha1 import LLMService
-from slofleet.operator.podspec import CONFIG_DIR, CONFIG_HASH, DRAIN_SLACK_SECONDS, labels, probe, restricted
+from slofleet.operator.podspec import (
+    CONFIG_DIR,
+    CONFIG_HASH,
+    DRAIN_SLACK_SECONDS,
+    labels,
+    probe,
+    restricted,
+    token_env,
+)
 
 ROLE = ROUTER
 DEFAULT_CLUSTER_ROLE = "slofleet-router"
@@ -42,7 +50,7 @@ def pod_template(svc: LLMService, config_map: str, config_hash: str) -> dict:
     container = {
         "name": ROLE, "image": e.image, "imagePullPolicy": e.image_pull_policy,  # the one image of every role
         "command": ["slofleet", "router"], "args": router_args(svc),
-        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}, token_env(svc)],
         "ports": [{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
         "resources": {"requests": {k: str(v) for k, v in r.resources.requests.items()},
                       "limits": {k: str(v) for k, v in r.resources.limits.items()}},

@@ -1,0 +1,66 @@
+"""Pure: the trust boundary of one LLMService (ARCHITECTURE.md): the Secret with its internal token, and the
+NetworkPolicies that let only the service's own router, its engines, the autoscaler and a named gateway reach the
+engines, while the router, the endpoint, takes requests from anywhere.
+
+The token itself is drawn in reconcile.py (the one effectful place), once, and read back from the Secret after:
+`desired()` stays a function of its inputs.
+"""
+from __future__ import annotations
+
+import base64
+
+from slofleet.api.contract import INTERNAL_TOKEN_KEY, ROLE_LABEL, ROLES, ROUTER, SERVICE_LABEL
+from slofleet.api.v1alpha1 import LLMService
+from slofleet.operator import router
+from slofleet.operator.podspec import labels, secret_name
+
+# Where the autoscaler runs (the operator's namespace in manifests/ and the chart) and its pods' label: it scrapes
+# each engine's /metrics.
+AUTOSCALER_NAMESPACE = "slofleet-system"
+AUTOSCALER_LABELS = {"app.kubernetes.io/name": "slofleet-autoscaler"}
+NAMESPACE_LABEL = "kubernetes.io/metadata.name"  # set on every namespace by the API server
+
+
+def secret(svc: LLMService, owner: dict, token: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": secret_name(svc), "namespace": svc.metadata.get("namespace", "default"),
+                         "labels": labels(svc.metadata["name"]), "ownerReferences": [owner]},
+            "data": {INTERNAL_TOKEN_KEY: base64.b64encode(token.encode()).decode()}}
+
+
+def token_of(existing: dict | None) -> str | None:
+    """The token an existing Secret holds; None when there is none yet (or it was emptied)."""
+    data = ((existing or {}).get("data") or {}).get(INTERNAL_TOKEN_KEY)
+    return base64.b64decode(data).decode() if data else None
+
+
+def _in(namespace: str) -> dict:
+    return {"namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: namespace}}}
+
+
+def engine_selector(svc: LLMService) -> dict:
+    return {"matchLabels": {SERVICE_LABEL: svc.metadata["name"]},
+            "matchExpressions": [{"key": ROLE_LABEL, "operator": "In", "values": list(ROLES)}]}
+
+
+def network_policies(svc: LLMService, owner: dict, autoscaler_namespace: str) -> list[dict]:
+    """The engines' NetworkPolicy, and the router's when it is on."""
+    name, ns = svc.metadata["name"], svc.metadata.get("namespace", "default")
+    # Peers: the decode engines pull KV from the prefill ones. Pod selectors alone mean this namespace.
+    peers = [{"podSelector": {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: ROUTER}}},
+             {"podSelector": engine_selector(svc)},
+             {**_in(autoscaler_namespace), "podSelector": {"matchLabels": AUTOSCALER_LABELS}}]
+    if svc.spec.network.gateway_namespace:
+        peers.append(_in(svc.spec.network.gateway_namespace))
+
+    def policy(meta_name: str, meta_labels: dict, pods: dict, port: int, sources: list[dict] | None) -> dict:
+        rule = {"ports": [{"protocol": "TCP", "port": port}], **({"from": sources} if sources else {})}
+        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": {"name": meta_name, "namespace": ns, "labels": meta_labels, "ownerReferences": [owner]},
+                "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": [rule]}}
+
+    out = [policy(f"{name}-engine", labels(name), engine_selector(svc), svc.spec.engine.port, peers)]
+    if svc.spec.router.enabled:  # no `from`: any source, so the endpoint stays open under a namespace's default deny
+        out.append(policy(router.name_of(svc), router.router_labels(svc),
+                          {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: ROUTER}}, svc.spec.router.port, None))
+    return out
