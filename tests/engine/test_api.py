@@ -101,9 +101,9 @@ def test_logprobs(client):
 
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(model="gpt-4"), "model 'gpt-4' is not served here"),
-    (dict(temperature=-1), "temperature must be >= 0"),
-    (dict(top_p=0), "top_p must be in (0, 1]"),
-    (dict(max_tokens=0), "max_tokens must be >= 1"),
+    (dict(temperature=-1), "temperature: must be in [0, 2]"),
+    (dict(top_p=0), "top_p: must be in (0, 1]"),
+    (dict(max_tokens=0), "max_tokens: must be >= 1"),
     (dict(n=2), "unsupported parameter(s): n"),
     (dict(logit_bias={"50": 1}), "unsupported parameter(s): logit_bias"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "unsupported parameter(s): tools"),
