@@ -10,6 +10,8 @@ import pytest
 
 from tests.support.server import Server
 
+pytestmark = pytest.mark.slow
+
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
