@@ -86,7 +86,7 @@ def test_examples_are_accepted_and_defaulted(crds, namespace):
 def test_printer_columns_and_status_subresource(crds, namespace):
     crds.kubectl("apply", "-n", namespace, "-f", str(REPO / "manifests" / "examples" / "llmservice-unified.yaml"))
     out = crds.kubectl("get", "llms", "-n", namespace, "-o", "wide").stdout.splitlines()
-    assert out[0].split() == ["NAME", "MODE", "MODEL", "READY", "ENDPOINT", "AGE"]
+    assert out[0].split() == ["NAME", "MODE", "MODEL", "READY", "ATTAINMENT", "SLOMET", "ENDPOINT", "AGE"]
     assert out[1].split()[:3] == ["chat", "unified", "default"]
     # Status is a subresource: a spec write does not change it, a status write does.
     patch = json.dumps({"status": {"endpoint": "http://x"}})

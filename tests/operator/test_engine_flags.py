@@ -37,7 +37,7 @@ def test_defaults_are_the_engines():
     config, settings = parsed({})
     defaults = EngineConfig()
     for f in dataclasses.fields(EngineConfig):
-        if f.name not in ("model", "role"):
+        if f.name not in ("model", "served_model_name", "role"):  # the resource's own
             assert getattr(config, f.name) == getattr(defaults, f.name), f.name
     assert settings.port == ServerSettings().port and settings.grace_period == ServerSettings().grace_period
     crd = Engine()

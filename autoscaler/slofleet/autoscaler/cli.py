@@ -17,6 +17,7 @@ from slofleet.api.contract import ROLES
 from slofleet.api.v1alpha1 import Autoscaling
 
 from .actuate import STALE_INTERVALS, WINDOW_INTERVALS
+from .attainment import STATUS_WINDOW_S
 from .policy import SLO, Fleet, Policy, PolicyConfig
 from .signals import History, merge
 from .sources import scrape
@@ -33,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "scraping pods")
     p.add_argument("--resync", type=float, default=60.0,
                    help="with --kubernetes: rewrite an unchanged decision after this many seconds")
+    p.add_argument("--status-window", type=float, default=STATUS_WINDOW_S,
+                   help="with --kubernetes: seconds of requests each bucket's attainment in status.buckets covers")
     p.add_argument("--target", action="append", default=[], metavar="ROLE=URL",
                    help=f"an engine's base URL and its role ({', '.join(ROLES)}); repeat per pod")
     # The defaults are PolicyConfig's and SLO's, so the flags and the library cannot disagree.
@@ -59,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     if args.kubernetes:
         from . import kubemode
         from .kube import Kube, connect
-        return kubemode.run(Kube(connect()), base, args.namespace, args.prometheus, args.resync, args.iterations)
+        return kubemode.run(Kube(connect()), base, args.namespace, args.prometheus, args.resync, args.iterations,
+                            args.status_window)
     if args.prometheus:
         print("--prometheus needs --kubernetes (the series are found by the resource's namespace and Service)",
               file=sys.stderr)

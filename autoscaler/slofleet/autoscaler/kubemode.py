@@ -1,10 +1,11 @@
-"""`slofleet autoscaler --kubernetes`: every LLMService with spec.autoscaling.enabled, each role on its own
-interval: find the role's pods by the operator's labels, read their metrics (from the pods, or from
-Prometheus), decide, and record the decision in status.autoscaling.<role> (+ an Event when it changes).
-The operator alone turns the decision into Deployment replicas.
+"""`slofleet autoscaler --kubernetes`: every LLMService, on its own interval: find each role's pods by the
+operator's labels and read their metrics (from the pods, or from Prometheus). With spec.autoscaling.enabled,
+decide and record the decision in status.autoscaling.<role> (+ an Event when it changes); the operator alone
+turns it into Deployment replicas. Autoscaling on or off, write each bucket's SLO attainment to status.buckets.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -12,14 +13,16 @@ from dataclasses import dataclass, field
 
 from kubernetes.client.rest import ApiException
 
-from slofleet.api.contract import ROLE_LABEL, ROUTER, SERVICE_LABEL, now
-from slofleet.api.v1alpha1 import LLMService, RoleAutoscaling, SLOPolicy
+from slofleet.api.contract import PREFILL, ROLE_LABEL, ROUTER, SERVICE_LABEL, now, parse_time
+from slofleet.api.v1alpha1 import BucketStatus, LLMService, RoleAutoscaling, SLOPolicy
 
-from . import actuate
+from . import actuate, attainment
 from .kube import Kube
 from .policy import Decision, Fleet, Policy, PolicyConfig
-from .signals import History, merge
+from .signals import History, RoleSignals, merge
 from .sources import federate, held_requests, scrape
+
+STATUS_INTERVAL_S = 30  # status.buckets is read at least this often, so a bucket's first requests show within 60 s
 
 
 @dataclass
@@ -32,8 +35,12 @@ class RoleState:
 
 @dataclass
 class ServiceState:
+    observed: attainment.Observed
     roles: dict[str, RoleState] = field(default_factory=dict)
-    due: float = 0.0
+    due: float = 0.0  # next read of the metrics
+    decide_due: float = 0.0  # next scaling decision (spec.autoscaling.intervalSeconds)
+    buckets: list[BucketStatus] | None = None  # status.buckets as this process last wrote it
+    buckets_at: float = 0.0
 
 
 def ready(pod: dict) -> bool:
@@ -53,9 +60,9 @@ def pod_url(pod: dict) -> str:
 
 class Autoscaler:
     def __init__(self, kube: Kube, base: PolicyConfig, namespace: str | None = None, prometheus: str | None = None,
-                 resync_s: float = 60.0):
+                 resync_s: float = 60.0, status_window_s: float = attainment.STATUS_WINDOW_S):
         self.kube, self.base, self.namespace = kube, base, namespace
-        self.prometheus, self.resync_s = prometheus, resync_s
+        self.prometheus, self.resync_s, self.status_window_s = prometheus, resync_s, status_window_s
         self.services: dict[str, ServiceState] = {}  # by uid
 
     def tick(self) -> None:
@@ -63,20 +70,24 @@ class Autoscaler:
         for raw in self.kube.services(self.namespace):
             svc = LLMService.model_validate(raw)
             uid = svc.metadata["uid"]
-            if not svc.spec.autoscaling.enabled or svc.metadata.get("deletionTimestamp"):
+            if svc.metadata.get("deletionTimestamp"):
                 continue
             seen.add(uid)
-            st = self.services.setdefault(uid, ServiceState())
+            st = self.services.setdefault(uid, ServiceState(attainment.Observed(self.status_window_s)))
             t = time.time()
             if t < st.due:
                 continue
-            st.due = t + svc.spec.autoscaling.interval_seconds
+            interval = svc.spec.autoscaling.interval_seconds
+            st.due = t + min(interval, STATUS_INTERVAL_S)
+            decide = svc.spec.autoscaling.enabled and t >= st.decide_due
+            if decide:
+                st.decide_due = t + interval
             try:
-                self.service(raw, svc, st)
+                self.service(raw, svc, st, decide)
             except ApiException as e:  # one service's trouble (e.g. deleted meanwhile) is not the others'
                 print(json.dumps({"service": svc.metadata["name"], "api_error": e.status, "error": e.reason}),
                       file=sys.stderr, flush=True)
-        for uid in set(self.services) - seen:  # deleted, or autoscaling turned off: forget it
+        for uid in set(self.services) - seen:  # deleted: forget it
             del self.services[uid]
 
     def buckets(self, svc: LLMService) -> list:
@@ -85,34 +96,65 @@ class Autoscaler:
         raw = self.kube.policy(svc.metadata["namespace"], svc.spec.policy_ref)
         return SLOPolicy.model_validate(raw).spec.buckets if raw else []
 
-    def service(self, raw: dict, svc: LLMService, st: ServiceState) -> None:
-        ns, name = svc.metadata["namespace"], svc.metadata["name"]
+    def service(self, raw: dict, svc: LLMService, st: ServiceState, decide: bool) -> None:
+        ns, name, on = svc.metadata["namespace"], svc.metadata["name"], svc.spec.autoscaling.enabled
+        if not on:
+            st.roles.clear()  # turned on again, it starts from what is on record
+        buckets = self.buckets(svc)
         held: float | None = None
-        for role, rs in actuate.settings(svc, self.buckets(svc), self.base).items():
-            state = st.roles.get(role)
-            if state is None:
-                state = st.roles[role] = RoleState(Policy(rs.policy), History(rs.window_s))
-                recorded = svc.status.autoscaling.get(role)
-                if recorded is not None and recorded.desired_replicas is not None:
-                    # A restarted autoscaler holds what is on record, not what happens to be running.
-                    state.policy.last = Decision(recorded.desired_replicas, "on record", recorded.condition or "Ok")
-            state.policy.cfg, state.history.span = rs.policy, rs.window_s  # the spec may have changed
+        timeout = min(5.0, svc.spec.autoscaling.interval_seconds / 2)
+        for role, rs in actuate.settings(svc, buckets, self.base).items():
             pods = [p for p in self.kube.pods(ns, selector(name, role)) if not p["metadata"].get("deletionTimestamp")]
             up = [p for p in pods if ready(p)]
-            fleet = Fleet(ready=len(up), starting=len(pods) - len(up))
-            timeout = min(5.0, svc.spec.autoscaling.interval_seconds / 2)
-            if self.prometheus:
-                sigs = federate(self.prometheus, ns, f"{name}-{role}", role, timeout)
-            else:
-                sigs = [s for s in (scrape(pod_url(p), role, timeout) for p in up) if s is not None]
+            sigs = self.read(ns, name, role, up, timeout)
+            if role != PREFILL:  # a prefill engine serves the first half of requests a decode engine answers
+                started = {p["metadata"]["name"]: parse_time(p["status"]["startTime"])
+                           for p in pods if (p.get("status") or {}).get("startTime")}
+                for sig in sigs:
+                    st.observed.add(sig, started.get(sig.pod))
+            if not on:
+                continue
+            state = self.role_state(svc, st, role, rs)
             if sigs:
                 state.history.add(merge(role, min(s.t for s in sigs), sigs))
+            if not decide:
+                continue
+            fleet = Fleet(ready=len(up), starting=len(pods) - len(up))
             t = time.time()
             d = state.policy.decide(t, state.history.window(t, rs.slo), fleet)
             if fleet.total == 0 and d.desired == 0:
                 held = self.held(ns, name) if held is None else held
                 d = state.policy.last = actuate.scale_from_zero(d, fleet.total, held)
             self.record(raw, svc, role, state, d, fleet, t)
+        self.report(svc, st, buckets)
+
+    def read(self, ns: str, name: str, role: str, up: list[dict], timeout: float) -> list[RoleSignals]:
+        """Each ready pod's signals (from Prometheus: each pod it has series of), named by pod."""
+        if self.prometheus:
+            return federate(self.prometheus, ns, f"{name}-{role}", role, timeout)
+        sigs = [(p, scrape(pod_url(p), role, timeout)) for p in up]
+        return [dataclasses.replace(s, pod=p["metadata"]["name"]) for p, s in sigs if s is not None]
+
+    def role_state(self, svc: LLMService, st: ServiceState, role: str, rs: actuate.RoleSettings) -> RoleState:
+        state = st.roles.get(role)
+        if state is None:
+            state = st.roles[role] = RoleState(Policy(rs.policy), History(rs.window_s))
+            recorded = svc.status.autoscaling.get(role)
+            if recorded is not None and recorded.desired_replicas is not None:
+                # A restarted autoscaler holds what is on record, not what happens to be running.
+                state.policy.last = Decision(recorded.desired_replicas, "on record", recorded.condition or "Ok")
+        state.policy.cfg, state.history.span = rs.policy, rs.window_s  # the spec may have changed
+        return state
+
+    def report(self, svc: LLMService, st: ServiceState, buckets: list) -> None:
+        """status.buckets, when its figures moved (or every resync, so its time says it is current)."""
+        t, window = time.time(), st.observed.window_s
+        hists = st.observed.delta(t)
+        entries = [attainment.bucket_status(b, hists, window, now()) for b in buckets]
+        if attainment.same(st.buckets, entries) and t - st.buckets_at < self.resync_s:
+            return
+        self.kube.patch_status(svc.metadata["namespace"], svc.metadata["name"], attainment.status_patch(entries))
+        st.buckets, st.buckets_at = entries, t
 
     def held(self, ns: str, name: str) -> float:
         """Requests the service's router pods hold for want of a replica (0 without router pods)."""
@@ -136,8 +178,8 @@ class Autoscaler:
 
 
 def run(kube: Kube, base: PolicyConfig, namespace: str | None, prometheus: str | None, resync_s: float,
-        iterations: int) -> int:
-    scaler = Autoscaler(kube, base, namespace, prometheus, resync_s)
+        iterations: int, status_window_s: float = attainment.STATUS_WINDOW_S) -> int:
+    scaler = Autoscaler(kube, base, namespace, prometheus, resync_s, status_window_s)
     n = 0
     while not iterations or n < iterations:
         try:

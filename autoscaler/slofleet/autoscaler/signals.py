@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from slofleet.api.contract import (
+    E2E,
     GENERATION_TOKENS,
     ITL,
     KV_USAGE,
@@ -29,7 +30,7 @@ GAUGES = {NUM_WAITING: "waiting", NUM_RUNNING: "running", KV_USAGE: "kv_usage",
 # Counters are exposed with the `_total` suffix on their (contract) base names.
 COUNTERS = {f"{PREEMPTIONS}_total": "preemptions", f"{PROMPT_TOKENS}_total": "prompt_tokens",
             f"{GENERATION_TOKENS}_total": "generation_tokens", f"{REQUEST_SUCCESS}_total": "finished"}
-HISTOGRAMS = {TTFT: "ttft", ITL: "itl"}
+HISTOGRAMS = {TTFT: "ttft", ITL: "itl", E2E: "e2e"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,18 @@ class Histogram:
             lo, below = le, c
         return 1.0
 
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile (0 < q < 1), linear inside its bucket; in the +Inf bucket the highest finite bound
+        (both as histogram_quantile does)."""
+        if self.total <= 0:
+            return None
+        rank, lo, below = q * self.total, 0.0, 0.0
+        for le, c in zip(self.bounds, self.counts):
+            if c >= rank:
+                return lo if math.isinf(le) else lo + (le - lo) * (rank - below) / (c - below)
+            lo, below = le, c
+        return lo
+
 
 @dataclass
 class RoleSignals:
@@ -83,6 +96,8 @@ class RoleSignals:
     finished: float = 0.0
     ttft: dict[str, Histogram] = field(default_factory=dict)  # per bucket
     itl: dict[str, Histogram] = field(default_factory=dict)
+    e2e: dict[str, Histogram] = field(default_factory=dict)
+    pod: str = ""  # which pod answered (one pod's signals; empty once merged)
 
 
 def parse(text: str, role: str, t: float) -> RoleSignals:
@@ -90,9 +105,9 @@ def parse(text: str, role: str, t: float) -> RoleSignals:
     return from_samples(parse_samples(text), role, t)
 
 
-def from_samples(samples: Iterable[Sample], role: str, t: float) -> RoleSignals:
+def from_samples(samples: Iterable[Sample], role: str, t: float, pod: str = "") -> RoleSignals:
     """One pod's parsed samples (as `parse`, for sources that group samples by pod themselves)."""
-    sig = RoleSignals(role, t, pods=1)
+    sig = RoleSignals(role, t, pods=1, pod=pod)
     buckets: dict[tuple[str, str], dict[float, float]] = {}
     for s in samples:
         if s.name in GAUGES or s.name in COUNTERS:
@@ -114,7 +129,7 @@ def merge(role: str, t: float, pods: list[RoleSignals]) -> RoleSignals:
     for p in pods:
         for attr in list(GAUGES.values()) + list(COUNTERS.values()):
             setattr(out, attr, getattr(out, attr) + getattr(p, attr))
-        for kind in ("ttft", "itl"):
+        for kind in HISTOGRAMS.values():
             hists = getattr(out, kind)
             for bucket, h in getattr(p, kind).items():
                 hists[bucket] = hists[bucket].plus(h) if bucket in hists else h

@@ -73,5 +73,5 @@ def federate(prometheus: str, namespace: str, service: str, role: str, timeout: 
         scrape_error(prometheus, e)
         return []
     now = time.time()
-    return [from_samples(samples, role, max((s.timestamp for s in samples if s.timestamp), default=now))
-            for samples in by_pod.values()]
+    return [from_samples(samples, role, max((s.timestamp for s in samples if s.timestamp), default=now), pod)
+            for pod, samples in by_pod.items()]

@@ -56,6 +56,11 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def parse_time(stamp: str) -> float:
+    """An RFC 3339 time stamp, as Kubernetes writes them (`now()`'s form), in seconds since the epoch."""
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
 def load_kube_config() -> None:
     """In a pod, its ServiceAccount; elsewhere the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
     from kubernetes import config  # imported here: the engine never needs it

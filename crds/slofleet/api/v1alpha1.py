@@ -60,6 +60,9 @@ class ModelSource(_Model):
     init_image: str | None = Field(None, description="image of the init container that fetches the weights "
                                    "(source: init)")
     init_command: list[str] | None = Field(None, description="command of that init container; it writes under `path`")
+    served_name: str | None = Field(None, min_length=1, max_length=253, pattern=r"^[^,\s]+$",
+                                    description="the name requests give as `model` (the first /v1/models lists); "
+                                    "default: the LLMService's name. Engines also answer to the weights' own name")
     model_config = ConfigDict(json_schema_extra=_rules(
         ("self.source != 'pvc' || has(self.pvcName)", "model.source pvc needs model.pvcName"),
         ("self.source != 'init' || (has(self.initImage) && has(self.initCommand))",
@@ -277,8 +280,23 @@ class RoleStatus(_Model):
 
 
 class BucketStatus(_Model):
+    """Written by the autoscaler only (its own field manager): one bucket's requests that finished in the last
+    `windowSeconds`, from the engines' latency histograms (interpolated inside a histogram bucket, as Prometheus'
+    histogram_quantile does). Latencies are given for the targets the bucket sets."""
     name: str
-    attainment: float | None = Field(None, description="fraction of requests within all targets")
+    window_seconds: int = Field(0, ge=0, description="the window the figures cover, ending at `time`")
+    requests: int = Field(0, ge=0, description="requests of this bucket that finished in the window")
+    attainment: float | None = Field(None, ge=0, le=1, description="fraction of requests within all targets (with "
+                                     "several targets: within the one fewest met, as the engines' per-target "
+                                     "histograms cannot tell which requests missed several); absent without requests")
+    percentile: float = Field(99.0, description="the bucket's slo.percentile, at which the latencies are read")
+    ttft_ms: float | None = Field(None, description="time to first token at the percentile")
+    tpot_ms: float | None = Field(None, description="time per output token at the percentile (from the engines' "
+                                  "inter-token latency, so counted per token, not per request)")
+    e2e_ms: float | None = Field(None, description="whole-request latency at the percentile")
+    met: bool | None = Field(None, description="attainment reaches the percentile, i.e. every target holds at it; "
+                             "absent without requests")
+    time: str | None = Field(None, description="when these figures were read (RFC 3339)")
 
 
 class LLMServiceStatus(_Model):
@@ -287,7 +305,9 @@ class LLMServiceStatus(_Model):
     conditions: list[Condition] = Field([])
     roles: dict[str, RoleStatus] = Field({})
     autoscaling: dict[str, RoleAutoscaling] = Field({})
-    buckets: list[BucketStatus] = Field([])
+    buckets: list[BucketStatus] = Field([], description="written by the autoscaler only, for every LLMService")
+    attainment: float | None = Field(None, description="the lowest attainment in `buckets` (written with them), "
+                                     "shown by `kubectl get llms`")
 
 
 class LLMService(_Model):

@@ -1,8 +1,9 @@
 """kopf wiring: which events trigger a reconcile. The work itself is in `reconcile.py`.
 
-Triggers: the resource's create/update/resume and its autoscaler decision (status.autoscaling); any event
-on a child (a deleted or edited Deployment is restored at once, and Deployment status changes refresh the
-LLMService status); and a resync timer as a backstop for anything a watch missed.
+Triggers: the resource's create/update/resume, its autoscaler decision (status.autoscaling) and bucket verdicts
+(status.buckets[].met); any event on a child (a deleted or edited Deployment is restored at once, and Deployment
+status changes refresh the LLMService status); and a resync timer as a backstop for anything a watch missed
+(and for pods, which are not watched: a crash loop reaches Degraded at the next resync).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ _kube: kube_mod.Kube | None = None
 _guard = threading.Lock()
 _running: set[tuple[str, str]] = set()
 _dirty: set[tuple[str, str]] = set()
-_decisions: dict[str, dict] = {}  # uid -> the last status.autoscaling seen
+_decisions: dict[str, dict] = {}  # uid -> the last status.autoscaling and bucket verdicts seen
 _router_cluster_role = router.DEFAULT_CLUSTER_ROLE  # set by register()
 _autoscaler_namespace = trust.AUTOSCALER_NAMESPACE  # set by register()
 
@@ -97,8 +98,11 @@ def register(resync_seconds: float, router_cluster_role: str, autoscaler_namespa
 
     @kopf.on.event(GROUP, VERSION, PLURAL)
     def on_decision(body: kopf.Body, type: str | None, **_) -> None:
-        # kopf's update handlers ignore status, where the autoscaler writes its decision: watch it here.
-        decision = dict(body.get("status", {}).get("autoscaling") or {})
+        # kopf's update handlers ignore status, where the autoscaler writes its decision: watch it here, and
+        # whether each bucket meets its SLO (status.buckets), which moves SLOMet.
+        st = body.get("status", {})
+        decision = {"autoscaling": dict(st.get("autoscaling") or {}),
+                    "met": [(b.get("name"), b.get("met")) for b in st.get("buckets") or []]}
         uid = body["metadata"]["uid"]
         if type == "DELETED":
             _decisions.pop(uid, None)

@@ -85,6 +85,11 @@ class Kube:
                 out[(kind, item["metadata"]["name"])] = item
         return out
 
+    def pods(self, namespace: str, service: str) -> list[dict]:
+        """The service's engine and router pods (for their containers' state)."""
+        return self._res("v1", "Pod").get(namespace=namespace,
+                                          label_selector=f"{SERVICE_LABEL}={service}").to_dict().get("items", [])
+
     def delete(self, obj: dict) -> None:
         meta = obj["metadata"]
         try:

@@ -68,7 +68,9 @@ def flag(name: str, value: bool | int | float | str) -> list[str]:
 def serve_args(svc: LLMService, role: str, buckets: list[Bucket]) -> list[str]:
     e = svc.spec.engine
     # $(POD_IP) is expanded by the kubelet from the env below: each pod binds its own address.
-    args = ["--host", "$(POD_IP)", *flag("port", e.port), "--model", model_arg(svc), "--role", role,
+    # Requests name the model as the service (as in KubeAI) or its servedName; the engine adds the weights' name.
+    args = ["--host", "$(POD_IP)", *flag("port", e.port), "--model", model_arg(svc),
+            "--served-model-name", svc.spec.model.served_name or svc.metadata["name"], "--role", role,
             *flag("grace_period", e.drain_seconds)]
     for name in ENGINE_SETTINGS:
         args += flag(name, getattr(e, name))

@@ -63,13 +63,15 @@ def reconcile(kube: Kube, body: dict, router_cluster_role: str = router.DEFAULT_
             kube.delete(obj)
             out.deleted.append(f"{kind}/{child}")
     roles = {}
+    pods = status.by_role(kube.pods(ns, name))  # a crash loop shows in pods, not in the Deployment
     for d in wanted:
         if d["kind"] == "Deployment":
             role = d["metadata"]["labels"][ROLE_LABEL]
-            roles[role] = status.observe(applied[f"Deployment/{d['metadata']['name']}"], d["spec"]["replicas"])
+            roles[role] = status.observe(applied[f"Deployment/{d['metadata']['name']}"], d["spec"]["replicas"],
+                                         pods.get(role, []))
     previous = body.get("status") or {}
     out.status = status.status_patch(roles, svc.metadata.get("generation", 0), children.endpoint(svc),
-                                     previous.get("conditions") or [], now())
+                                     previous.get("conditions") or [], now(), previous.get("buckets") or [])
     # A role that left the topology leaves the status too (null deletes it in a merge patch).
     out.status["roles"].update({r: None for r in previous.get("roles") or {} if r not in roles})
     kube.patch_status(ns, name, out.status)
