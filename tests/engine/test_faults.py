@@ -7,7 +7,7 @@ import pytest
 from slofleet.engine import InvalidRequest, LLMEngine, SamplingParams
 from slofleet.engine.engine import MAX_FAILED_STEPS
 from slofleet.engine.request import FinishReason
-from slofleet.engine.server.metrics import OTHER_BUCKET, BucketLabels
+from slofleet.engine.server.collector import OTHER_BUCKET, BucketLabels
 
 P = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

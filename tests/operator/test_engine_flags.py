@@ -15,7 +15,7 @@ from slofleet.engine.server.settings import ServerSettings
 from slofleet.operator.podspec import serve_args
 
 # CRD engine field -> the `slofleet serve` setting it sets, where the names differ.
-MAPPED = {"port": "port", "drain_seconds": "grace_period"}
+MAPPED = {"port": "port", "drain_seconds": "grace_period", "price_per_hour": "price_per_hour"}
 # Fields of spec.engine that shape the pod rather than the engine process.
 POD_ONLY = {"image", "image_pull_policy", "resources", "gpus", "startup_seconds", "env", "args"}
 
@@ -59,7 +59,7 @@ def other_value(name: str):
 @pytest.mark.parametrize("name", [*ENGINE_SETTINGS, *MAPPED])
 def test_a_non_default_value_reaches_its_flag(name):
     serve_name = MAPPED.get(name, name)
-    value = 8001 if name == "port" else 45 if name == "drain_seconds" else other_value(name)
+    value = {"port": 8001, "drain_seconds": 45, "price_per_hour": 2.5}.get(name) or other_value(name)
     config, settings = parsed({name: value})
     got = getattr(settings if name in MAPPED else config, serve_name)
     assert got == value

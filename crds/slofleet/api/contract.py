@@ -166,7 +166,8 @@ class Setting:
 
 
 ENGINE_SETTINGS: dict[str, Setting] = {
-    "dtype": Setting("auto", "auto | float32 | bfloat16 (auto: bf16 where the CPU has avx512_bf16/AMX, or on GPU)",
+    "dtype": Setting("auto", "auto | float32 | bfloat16 (auto: bf16 on GPU; on a CPU the faster of the two, "
+                     "measured at start by a GEMM probe at the model's shapes and cached)",
                      choices=("auto", "float32", "bfloat16")),
     "block_size": Setting(16, "tokens per KV block (a power of two)", 1, 256, power_of_two=True),
     "kv_cache_memory_gb": Setting(1.0, "memory budget for the KV block pool, in GiB", positive=True),

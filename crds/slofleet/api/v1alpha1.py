@@ -113,6 +113,8 @@ class Engine(_Model):
     startup_seconds: int = Field(300, ge=10, description="how long model loading may take before liveness applies")
     drain_seconds: int = Field(DEFAULT_GRACE_SECONDS, ge=1,
                                description="on SIGTERM, in-flight requests get this long to finish")
+    price_per_hour: float = Field(0.0, ge=0, description="what one engine pod costs per hour (any currency), for "
+                                  "the cost counters per bucket")
     env: dict[str, str] = Field({}, description="extra environment for the engine container")
     args: list[str] = Field([], max_length=64, description="extra `slofleet serve` flags for settings this "
                             "schema does not name, e.g. ['--seed', '7']; passed after the generated ones")

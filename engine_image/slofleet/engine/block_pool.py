@@ -34,6 +34,7 @@ class BlockPool:
         self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.enable_caching = enable_caching
+        self.evictions = 0  # cached blocks reused for new content
 
     @property
     def num_blocks(self) -> int:
@@ -62,6 +63,7 @@ class BlockPool:
             if block.block_hash is not None:  # evict the least recently used cached block
                 del self.cached[block.block_hash]
                 block.block_hash = None
+                self.evictions += 1
             block.ref_count = 1
             out.append(block)
         return out

@@ -24,7 +24,7 @@ from .runner import ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .stats import EngineStats, StepStats
+from .stats import EngineStats, StepRecord, StepStats
 
 __all__ = ["AdmissionError", "LLMEngine", "RequestOutput"]
 log = logging.getLogger("slofleet.engine")
@@ -77,6 +77,7 @@ class LLMEngine:
         self.aborts: deque[str] = deque()
         self.step_stats = StepStats()
         self.failed_steps = 0  # in a row
+        self.last_step: StepRecord | None = None
         log.info("engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens, %.1fs", self.model_name,
                  str(self.runner.dtype).removeprefix("torch."), self.runner.device, num_blocks, config.block_size,
                  time.monotonic() - t0)
@@ -156,7 +157,10 @@ class LLMEngine:
                            prefix_queries=self.kv.stats.queries, prefix_hits=self.kv.stats.hits,
                            preemptions_by_bucket=dict(sched.preemptions_by_bucket),
                            admission_refusals=sched.admission_refusals, steps=replace(self.step_stats),
-                           dtype=self.runner.dtype_choice)
+                           dtype=self.runner.dtype_choice, kv_evictions=pool.evictions,
+                           kv_block_bytes=self.runner.bytes_per_block(),
+                           kv_unfilled_slots=sum(len(self.kv.block_table(r.request_id)) * self.config.block_size
+                                                 - r.num_computed_tokens for r in list(sched.running)))
 
     # -- one step ------------------------------------------------------------------------
     def _drain_inboxes(self) -> list[RequestOutput]:
@@ -243,8 +247,9 @@ class LLMEngine:
         st.tokens_scheduled += sched.num_tokens
         st.max_tokens_in_step = max(st.max_tokens_in_step, sched.num_tokens)
         for req, n in sched.scheduled:
-            st.prompt_tokens_computed += max(0, min(req.num_prompt_tokens, req.num_computed_tokens + n)
-                                             - req.num_computed_tokens)
+            prompt = max(0, min(req.num_prompt_tokens, req.num_computed_tokens + n) - req.num_computed_tokens)
+            st.prompt_tokens_computed += prompt
+            req.num_prompt_computed += prompt
             req.num_computed_tokens += n
         # A request samples once all its tokens are computed; a partial prefill chunk does not.
         rows = [i for i, (req, _) in enumerate(sched.scheduled) if req.num_computed_tokens >= req.num_tokens]
@@ -252,7 +257,13 @@ class LLMEngine:
             reqs = [sched.scheduled[i][0] for i in rows]
             tokens, logprobs = self.sampler.sample(logits[rows], reqs)
             outputs += self._postprocess(reqs, tokens, logprobs)
-        self.scheduler.recent_steps.append(time.monotonic() - t0)
+        seconds = time.monotonic() - t0
+        self.scheduler.recent_steps.append(seconds)
+        decodes = sum(1 for _, n in sched.scheduled if n == 1)
+        self.last_step = StepRecord(seconds=seconds, num_tokens=sched.num_tokens, num_decodes=decodes,
+                                    num_requests=len(sched.scheduled))
+        for req, _ in sched.scheduled:  # each request's share of the step, for cost attribution
+            req.busy_s += seconds / len(sched.scheduled)
         return outputs
 
     def _postprocess(self, reqs: list[Request], tokens: list[int], logprobs: list) -> list[RequestOutput]:

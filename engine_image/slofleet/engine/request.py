@@ -55,6 +55,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_prompt_computed: int = 0  # prompt tokens this engine actually computed (recompute included)
+    busy_s: float = 0.0  # this request's share of the engine's step time (each step split over its requests)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     events: list[tuple[Event, float]] = field(default_factory=list)

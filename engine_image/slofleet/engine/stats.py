@@ -16,6 +16,15 @@ class StepStats:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StepRecord:
+    """One step, for the per-step histograms (batch size, tokens per step)."""
+    seconds: float
+    num_tokens: int
+    num_decodes: int
+    num_requests: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineStats:
     running: int
     waiting_by_bucket: dict[str, int]  # requests queued or not yet drained from the inbox
@@ -28,6 +37,9 @@ class EngineStats:
     admission_refusals: int
     steps: StepStats
     dtype: DtypeChoice  # what --dtype resolved to, and the probe's figures behind it
+    kv_evictions: int  # cached blocks evicted to make room
+    kv_block_bytes: int  # K and V of one block over all layers
+    kv_unfilled_slots: int  # token slots allocated to running requests but not yet filled (fragmentation)
 
     @property
     def waiting(self) -> int:

@@ -71,7 +71,7 @@ def serve_args(svc: LLMService, role: str, buckets: list[Bucket]) -> list[str]:
     # Requests name the model as the service (as in KubeAI) or its servedName; the engine adds the weights' name.
     args = ["--host", "$(POD_IP)", *flag("port", e.port), "--model", model_arg(svc),
             "--served-model-name", svc.spec.model.served_name or svc.metadata["name"], "--role", role,
-            *flag("grace_period", e.drain_seconds)]
+            *flag("grace_period", e.drain_seconds), *flag("price_per_hour", e.price_per_hour)]
     for name in ENGINE_SETTINGS:
         args += flag(name, getattr(e, name))
     if buckets:

@@ -30,9 +30,10 @@ from ..kv_transfer import KVPayload
 from ..request import FinishReason
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
+from .collector import DEFAULT_BUCKET, BucketLabels
 from .handoff import fetch_kv, is_loopback, mac, peer_base
 from .http import ApiError, from_engine, parse, read_body, unavailable
-from .metrics import DEFAULT_BUCKET, BucketLabels, Metrics
+from .metrics import Metrics
 from .openai_format import chat_handlers, completion_handlers
 from .protocol import ChatCompletionRequest, CompletionRequest, PrefillRequest, SamplingFields
 from .settings import ServerSettings
@@ -65,8 +66,9 @@ class State:
                                       SamplingParams(max_tokens=2, ignore_eos=True))
             while not warm.finished:
                 engine.step()
-            self.engine, self.metrics = engine, Metrics(engine)
-            self.async_engine = AsyncEngine(engine, self.metrics.observe, on_fatal=self.exit_soon)
+            self.engine, self.metrics = engine, Metrics(engine, self.settings.price_per_hour)
+            self.async_engine = AsyncEngine(engine, self.metrics.observe, on_fatal=self.exit_soon,
+                                            on_step=self.metrics.observe_step)
             self.async_engine.start(loop)
             self.ready = True
             log.info("ready: serving %s", engine.model_name)
@@ -143,7 +145,10 @@ async def start(request: Request, body: SamplingFields, prompt: Callable[[LLMEng
         if request.headers.get(PREFILL_HEADER):
             kv = await handoff(request, engine, engine.tokenize(ids_or_text), sampling)
         req, queue = state.async_engine.add(ids_or_text, sampling, rid, body.priority, bucket_of(request), kv=kv)
-    except (InvalidRequest, AdmissionError, UpstreamError) as e:
+    except AdmissionError as e:
+        state.metrics.refused(bucket_of(request))
+        raise from_engine(e) from None
+    except (InvalidRequest, UpstreamError) as e:
         raise from_engine(e) from None
     return engine, req, results(state, rid, queue)
 

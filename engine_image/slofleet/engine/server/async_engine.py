@@ -9,15 +9,16 @@ from collections.abc import Callable
 from ..engine import LLMEngine, RequestOutput
 from ..request import Request
 from ..sampling_params import SamplingParams
+from ..stats import StepRecord
 
 log = logging.getLogger("slofleet.engine.loop")
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput], None],
-                 on_fatal: Callable[[], None] = lambda: None):
+                 on_fatal: Callable[[], None] = lambda: None, on_step: Callable[[StepRecord], None] = lambda _: None):
         self.engine = engine
-        self.on_output = on_output
+        self.on_output, self.on_step = on_output, on_step
         self.on_fatal = on_fatal  # called once if the loop dies
         self.queues: dict[str, asyncio.Queue] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -70,9 +71,12 @@ class AsyncEngine:
                     self.wake.wait(0.1)
                     self.wake.clear()
                     continue
+                seen = self.engine.last_step
                 for out in self.engine.step():
                     self.on_output(out)
                     self.loop.call_soon_threadsafe(self._deliver, out)
+                if self.engine.last_step is not seen:
+                    self.on_step(self.engine.last_step)
         except BaseException as e:  # a dead engine must surface as failed requests and a failed /health
             log.exception("engine loop crashed")
             self.error = e

@@ -1,119 +1,98 @@
-"""Prometheus metrics: vLLM-compatible names plus slofleet's per-bucket extras.
+"""Prometheus metrics: vLLM-compatible names plus slofleet's per-bucket extras, one category of the observability
+loop each (request shape, queue, prefill, decode, KV, tail, quality, cost).
 
-Histograms and counters are derived from each request's lifecycle events when it finishes (and from
-token timestamps for inter-token latency); gauges are read from the engine at scrape time."""
+Histograms and counters are derived from each request's lifecycle events when it finishes (and from token
+timestamps for inter-token latency, and from each step for batch sizes); gauges are read from the engine's stats
+snapshot at scrape time (collector.py)."""
 from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine import LLMEngine, RequestOutput
 from ..request import Event
+from ..stats import StepRecord
+from .collector import EngineCollector
 
 log = logging.getLogger("slofleet.requests")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0, 160.0)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-
-
-DEFAULT_BUCKET, OTHER_BUCKET = "default", "other"
-MAX_SEEN_BUCKETS = 32
-BUCKET_NAME = re.compile(r"[a-z0-9-]{1,63}")
-
-
-class BucketLabels:
-    """Bucket names become label values, so their number stays bounded: an engine with configured buckets keeps
-    those; one without keeps the first MAX_SEEN_BUCKETS well-formed names it sees. The rest count as `other`."""
-
-    def __init__(self, configured: set[str]):
-        self.configured = bool(configured)
-        self.known = {DEFAULT_BUCKET, *configured}
-
-    def label(self, name: str) -> str:
-        if name in self.known:
-            return name
-        if self.configured or len(self.known) - 1 >= MAX_SEEN_BUCKETS or not BUCKET_NAME.fullmatch(name):
-            return OTHER_BUCKET
-        self.known.add(name)
-        return name
-
-
-class EngineCollector:
-    """Gauges and cumulative counters that live in the engine's own state, read at scrape time."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-
-    def collect(self):
-        st, name = self.engine.stats(), self.engine.model_name
-
-        def family(kind, metric: str, doc: str, values: dict[tuple[str, ...], float], labels: tuple[str, ...] = ()):
-            f = kind(metric, doc, labels=["model_name", *labels])
-            for key, value in sorted(values.items()):
-                f.add_metric([name, *key], value)
-            return f
-
-        def gauge(metric: str, doc: str, value: float):
-            return family(GaugeMetricFamily, metric, doc, {(): value})
-
-        def counter(metric: str, doc: str, value: float):
-            return family(CounterMetricFamily, metric, doc, {(): value})
-
-        yield gauge("vllm:num_requests_running", "Requests in the running batch.", st.running)
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", st.waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", st.kv_usage)
-        yield gauge("slofleet:queued_prompt_tokens", "Prompt tokens not yet computed for waiting requests.",
-                    st.queued_prompt_tokens)
-        yield gauge("slofleet:kv_blocks_total", "KV blocks in the pool.", st.kv_blocks_total)
-        yield gauge("slofleet:kv_blocks_free", "KV blocks free (cached blocks count as free).", st.kv_blocks_free)
-        yield family(GaugeMetricFamily, "slofleet:num_requests_waiting_by_bucket", "Waiting requests per bucket.",
-                     {(b,): n for b, n in st.waiting_by_bucket.items()}, ("bucket",))
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", st.prefix_queries)
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", st.prefix_hits)
-        yield counter("vllm:num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
-                      st.preemptions)
-        yield counter("slofleet:prompt_tokens_computed", "Prompt tokens this engine computed (recompute included; "
-                      "cache hits and transferred KV excluded).", st.steps.prompt_tokens_computed)
-        yield counter("slofleet:admission_refusals", "Requests refused by the engine's admission limits.",
-                      st.admission_refusals)
-        yield family(CounterMetricFamily, "slofleet:preemptions_by_bucket", "Preemptions per bucket.",
-                     {(b,): n for b, n in st.preemptions_by_bucket.items()}, ("bucket",))
-        yield family(GaugeMetricFamily, "slofleet:dtype_info", "The dtype the engine runs in (1), and why: flag, "
-                     "gpu, or probe (the faster of fp32/bf16 measured on this CPU).",
-                     {(st.dtype.dtype, st.dtype.reason): 1}, ("dtype", "reason"))
-        yield family(GaugeMetricFamily, "slofleet:dtype_probe_gflops", "GEMM rate the dtype probe measured at the "
-                     "model's prefill and decode shapes.", {(d, shape): v for d, f in st.dtype.gflops.items()
-                                                           for shape, v in f.items()}, ("dtype", "shape"))
+LENGTH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PRIORITY_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100)
 
 
 class Metrics:
-    def __init__(self, engine: LLMEngine):
-        self.model = engine.model_name
+    def __init__(self, engine: LLMEngine, price_per_hour: float = 0.0):
+        self.model, self.price_per_second = engine.model_name, price_per_hour / 3600
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine))
+        self.registry.register(EngineCollector(engine, price_per_hour))
         lb = ["model_name", "bucket"]
 
-        def hist(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
-            return Histogram(name, doc, lb, buckets=buckets, registry=self.registry)
+        def hist(name: str, doc: str, buckets=LATENCY_BUCKETS, labels=lb) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
+        def counter(name: str, doc: str, labels=lb) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry)
+
+        # tail: the three clocks, and the phases they are made of
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.")
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", TOKEN_BUCKETS)
+        self.tpot = hist("vllm:request_time_per_output_token_seconds", "Decode time per output token after the "
+                         "first, per request.", TOKEN_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
-        self.queue = hist("vllm:request_queue_time_seconds", "Time waiting before first scheduled.")
+        self.queue = hist("vllm:request_queue_time_seconds", "Time waiting before first scheduled (this engine "
+                          "has no batching window, so this is the batch wait too).")
         self.prefill = hist("vllm:request_prefill_time_seconds", "Time from first scheduled to first token.")
         self.decode = hist("vllm:request_decode_time_seconds", "Time from first token to finish.")
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", lb,
-                                     registry=self.registry)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", lb, registry=self.registry)
-        self.success = Counter("vllm:request_success", "Finished requests by reason.",
-                               ["model_name", "bucket", "finished_reason"], registry=self.registry)
+        # request shape
+        self.prompt_len = hist("vllm:request_prompt_tokens", "Prompt tokens per request.", LENGTH_BUCKETS)
+        self.output_len = hist("vllm:request_generation_tokens", "Generated tokens per request.", LENGTH_BUCKETS)
+        self.max_len = hist("vllm:request_max_num_generation_tokens", "max_tokens per request (resolved).",
+                            LENGTH_BUCKETS)
+        self.priority = hist("slofleet:request_priority", "Priority of each request (lower runs first).",
+                             PRIORITY_BUCKETS)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        # queue
+        self.refusals = counter("slofleet:admission_refusals_by_bucket", "Requests refused by the engine's "
+                                "admission limits (429).")
+        # prefill
+        self.computed = counter("slofleet:prefill_tokens_computed", "Prompt tokens computed (cache hits and "
+                                "transferred KV excluded); over prefill time, the prefill rate.")
+        self.prefix_queries = counter("slofleet:prefix_cache_queries_by_bucket", "Prompt tokens looked up in the "
+                                      "prefix cache.")
+        self.prefix_hits = counter("slofleet:prefix_cache_hits_by_bucket", "Prompt tokens found in the prefix cache.")
+        # decode
+        self.sampling = counter("slofleet:requests_by_sampling", "Finished requests by sampling mode.",
+                                [*lb, "sampling"])
+        self.step_tokens = hist("vllm:iteration_tokens_total", "Tokens per engine step.", LENGTH_BUCKETS,
+                                ["model_name"])
+        self.decode_batch = hist("slofleet:decode_batch_size", "Decoding sequences per engine step.", BATCH_BUCKETS,
+                                 ["model_name"])
+        # KV
+        self.preempted = counter("slofleet:request_preemptions", "Preemptions of finished requests.")
+        # quality
+        self.success = counter("vllm:request_success", "Finished requests by reason.", [*lb, "finished_reason"])
+        # cost
+        self.busy = counter("slofleet:request_engine_seconds", "Engine step time attributed to requests (each step "
+                            "split over the requests in it).")
+        self.cost = counter("slofleet:request_cost", "Cost attributed to requests at --price-per-hour (their share "
+                            "of step time).")
         self.last_token_at: dict[str, float] = {}
+
+    def refused(self, bucket: str) -> None:
+        self.refusals.labels(self.model, bucket).inc()
+
+    def observe_step(self, step: StepRecord) -> None:
+        self.step_tokens.labels(self.model).observe(step.num_tokens)
+        if step.num_decodes:
+            self.decode_batch.labels(self.model).observe(step.num_decodes)
 
     def observe(self, out: RequestOutput) -> None:
         """Called in the engine thread for every output delta."""
@@ -133,11 +112,25 @@ class Metrics:
                           ("prefill_s", self.prefill), ("decode_s", self.decode)):
             if key in t:
                 hist.labels(*labels).observe(t[key])
+        n_out = len(req.output_token_ids)
+        if "decode_s" in t and n_out > 1:
+            self.tpot.labels(*labels).observe(t["decode_s"] / (n_out - 1))
+        self.prompt_len.labels(*labels).observe(req.num_prompt_tokens)
+        self.output_len.labels(*labels).observe(n_out)
+        self.max_len.labels(*labels).observe(req.max_tokens)
+        self.priority.labels(*labels).observe(req.priority)
         self.prompt_tokens.labels(*labels).inc(req.num_prompt_tokens)
-        self.success.labels(*labels, out.finish_reason or "unknown").inc()
+        self.computed.labels(*labels).inc(req.num_prompt_computed)
+        if req.first(Event.SCHEDULED) is not None:
+            self.prefix_queries.labels(*labels).inc(req.num_prompt_tokens)
+            self.prefix_hits.labels(*labels).inc(req.num_cached_tokens)
+        self.sampling.labels(*labels, "greedy" if req.params.greedy else "sampled").inc()
+        self.preempted.labels(*labels).inc(req.count(Event.PREEMPTED))
+        self.success.labels(*labels, str(out.finish_reason)).inc()
+        self.busy.labels(*labels).inc(req.busy_s)
+        self.cost.labels(*labels).inc(req.busy_s * self.price_per_second)
         log.info(json.dumps({
             "event": "request_finished", "request_id": req.request_id, "bucket": req.bucket,
             "priority": req.priority, "finish_reason": str(out.finish_reason), "prompt_tokens": req.num_prompt_tokens,
-            "cached_tokens": req.num_cached_tokens, "output_tokens": len(req.output_token_ids),
-            "preemptions": req.count(Event.PREEMPTED),
-            **{k: round(v, 4) for k, v in t.items()}}))
+            "cached_tokens": req.num_cached_tokens, "output_tokens": n_out, "preemptions": req.count(Event.PREEMPTED),
+            "engine_s": round(req.busy_s, 4), **{k: round(v, 4) for k, v in t.items()}}))

@@ -21,6 +21,8 @@ class ServerSettings:
     internal_token: str = field(default_factory=lambda: os.environ.get(INTERNAL_TOKEN_ENV, ""), metadata={
         "help": f"the LLMService's internal token (default: ${INTERNAL_TOKEN_ENV}): /v1/* needs it (or --api-key), "
                 "and only its holders may hand a request's prefill to a peer"})
+    price_per_hour: float = field(default=0.0, metadata={
+        "help": "what this replica costs per hour, for the cost counters (slofleet:request_cost, replica_cost)"})
     max_request_bytes: int = field(default=4 << 20, metadata={
         "help": "largest request body accepted; larger ones get 413 before they are parsed"})
     request_read_timeout: float = field(default=30.0, metadata={
