@@ -203,12 +203,13 @@ def teacher_forced_logits(path: Path, s: dict, device: torch.device) -> dict[str
     prefill = [rng.randint(length // 8, length // 2) for _ in range(n)]
 
     def run() -> torch.Tensor:
-        r = engine.runner
+        r = engine.runner  # noqa: F821 (run() is called before `del engine` below)
         per = -(-length // r.block_size)
         pool = list(range(r.kv_caches[0][0].shape[0]))
         random.Random(1).shuffle(pool)
         tables = [pool[i * per:(i + 1) * per] for i in range(n)]
-        reqs = [Request(request_id=f"tf{i}", prompt_token_ids=ids, params=SamplingParams(max_tokens=1), max_tokens=1) for i, ids in enumerate(seqs)]
+        reqs = [Request(request_id=f"tf{i}", prompt_token_ids=ids, params=SamplingParams(max_tokens=1), max_tokens=1)
+                for i, ids in enumerate(seqs)]
         out = []
         for step in range(s["tf_steps"] + 1):
             sizes = [prefill[i] if step == 0 else 7 if step % 4 == 0 and i == step // 4 % n else 1 for i in range(n)]
@@ -272,7 +273,7 @@ def decode_bandwidth(s: dict, device: torch.device) -> list[dict]:
     heads, kvh, d, bs, dt = s["heads"], s["kv_heads"], s["hidden"] // s["heads"], 16, torch.bfloat16
     copy_src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     copy_dst = torch.empty_like(copy_src)
-    copy_bw = 2 * copy_src.numel() / timed(lambda: copy_dst.copy_(copy_src), device)
+    copy_bw = 2 * copy_src.numel() / timed(lambda: copy_dst.copy_(copy_src), device)  # noqa: F821 (timed at once)
     del copy_src, copy_dst
     rows: list[dict] = []
     for batch, ctx in s["bw"]:
@@ -296,7 +297,7 @@ def decode_bandwidth(s: dict, device: torch.device) -> list[dict]:
             if splits in seen:
                 continue
             seen.add(splits)
-            fn = lambda: attn.forward(q, k, v, kc, vc, meta, d ** -0.5)  # noqa: E731
+            fn = lambda: attn.forward(q, k, v, kc, vc, meta, d ** -0.5)  # noqa: E731, B023, F821 (timed at once)
             sec = timed(fn, device)
             row = dict(batch=batch, ctx=ctx, splits=splits, policy=policy, us=sec * 1e6,
                        bytes_per_s=kv_bytes / sec, copy_bytes_per_s=copy_bw)

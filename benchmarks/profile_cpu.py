@@ -83,7 +83,8 @@ def load_mix(engine: LLMEngine, rng: random.Random, n: int, rate: float) -> dict
         now = time.monotonic() - start
         while pending and pending[0][0] <= now:
             _, p, o = pending.pop(0)
-            reqs.append(engine.add_request(prompt(p, rng), SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)))
+            params = SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
+            reqs.append(engine.add_request(prompt(p, rng), params))
         if engine.has_unfinished():
             engine.step()
         elif pending:

@@ -106,7 +106,8 @@ def test_logprobs(client):
     (dict(max_tokens=0), "max_tokens: must be >= 1"),
     (dict(n=2), "unsupported parameter(s): n"),
     (dict(logit_bias={"50": 1}), "unsupported parameter(s): logit_bias"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "unsupported parameter(s): tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+     "unsupported parameter(s): tools"),
     (dict(max_tokens=600), "exceeds the context of 512 tokens"),
 ])
 def test_bad_input_is_400_with_message(client, kwargs, needle):
@@ -123,7 +124,8 @@ def test_prompt_longer_than_context(client):
 
 
 def test_malformed_json_and_unknown_field(server):
-    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "temprature": 0.5})
     assert r.status_code == 400 and "temprature: unknown field" in r.json()["error"]["message"]

@@ -57,12 +57,15 @@ def test_penalties():
     base = [1.0, 1.0, 1.0, 1.0]
     s = Sampler(eos_ids=set())
     # token 0 generated 3 times: frequency penalty pushes it below the others
-    toks, _ = s.sample(logits([1.5, 1.0, 0.0, 0.0]), [make(SamplingParams(temperature=0, frequency_penalty=0.5), out=[0, 0, 0])])
+    toks, _ = s.sample(logits([1.5, 1.0, 0.0, 0.0]),
+                       [make(SamplingParams(temperature=0, frequency_penalty=0.5), out=[0, 0, 0])])
     assert toks == [1]
-    toks, _ = s.sample(logits([1.2, 1.0, 0.0, 0.0]), [make(SamplingParams(temperature=0, presence_penalty=0.5), out=[0])])
+    toks, _ = s.sample(logits([1.2, 1.0, 0.0, 0.0]),
+                       [make(SamplingParams(temperature=0, presence_penalty=0.5), out=[0])])
     assert toks == [1]
     # repetition penalty also covers prompt tokens
-    toks, _ = s.sample(logits([2.0, 1.5, 0.0, 0.0]), [make(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0])])
+    toks, _ = s.sample(logits([2.0, 1.5, 0.0, 0.0]),
+                       [make(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0])])
     assert toks == [1]
     assert base == [1.0] * 4
 

@@ -132,7 +132,8 @@ def cluster():
     if up.returncode:
         subprocess.run([str(CLUSTER / "down.sh"), "--purge"], env=env)
         raise RuntimeError(f"control plane did not start:\n{up.stderr[-5000:]}")
-    bin_dir = Path(subprocess.run([str(CLUSTER / "build.sh")], capture_output=True, text=True, check=True).stdout.strip())
+    built = subprocess.run([str(CLUSTER / "build.sh")], capture_output=True, text=True, check=True)
+    bin_dir = Path(built.stdout.strip())
     log(f"phase control plane up: {time.monotonic() - t0:.1f}s")
     try:
         yield Cluster(str(state / "kubeconfig"), bin_dir, local=True)

@@ -21,7 +21,8 @@ class H(BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200)
         self.end_headers()
-        self.wfile.write(b'slofleet:router_held_requests{bucket="chat"} 2\\nslofleet:router_held_requests{bucket="doc"} 1\\n')
+        self.wfile.write(b'slofleet:router_held_requests{bucket="chat"} 2\\n'
+                         b'slofleet:router_held_requests{bucket="doc"} 1\\n')
 HTTPServer((os.environ["POD_IP"], 8080), H).serve_forever()
 """
 

@@ -155,7 +155,8 @@ def test_unified_service_lifecycle(crds, namespace, operator):
                  json.dumps({"spec": {"autoscaling": {"enabled": True}}}))
     crds.kubectl("patch", "llms", "chat", "-n", namespace, "--subresource=status", "--type=merge", "-p",
                  json.dumps({"status": {"autoscaling": {"unified": {"desiredReplicas": 9, "reason": "test"}}}}))
-    wait_until("replicas clamped to 3", lambda: crds.get("deployment", "chat-unified", namespace)["spec"]["replicas"] == 3,
+    wait_until("replicas clamped to 3",
+               lambda: crds.get("deployment", "chat-unified", namespace)["spec"]["replicas"] == 3,
                timeout=30)
     assert crds.get("llms", "chat", namespace)["status"]["autoscaling"]["unified"]["desiredReplicas"] == 9
     log(f"  autoscaler decision clamped: {time.monotonic() - t0:.1f}s")
@@ -197,8 +198,8 @@ def test_disaggregated_service_and_operator_restart(crds, namespace, operator):
         assert sorted(s["metadata"]["labels"]["slofleet.dev/role"] for s in slices) == ["decode", "prefill"]
     # Back to unified: the prefill/decode children are pruned, the unified ones appear.
     apply(crds, namespace, "docs", {**UNIFIED, "policyRef": "standard"})
-    want_unified = {"ConfigMap/docs-engine", "Deployment/docs-unified", "Service/docs-unified", "PodDisruptionBudget/docs",
-                    *router_children("docs")}
+    want_unified = {"ConfigMap/docs-engine", "Deployment/docs-unified", "Service/docs-unified",
+                    "PodDisruptionBudget/docs", *router_children("docs")}
     wait_until("the topology switched", lambda: set(children(crds, namespace, "docs")) == want_unified, timeout=60)
     wait_until("status roles switched",
                lambda: set(crds.get("llms", "docs", namespace)["status"].get("roles", {})) == {"unified", "router"},
@@ -225,7 +226,8 @@ def test_real_engine_pod_serves(crds, namespace, operator):
         assert json.loads(r.read())["data"][0]["id"]
     log(f"  real engine Ready and serving: {time.monotonic() - t0:.1f}s")
     crds.kubectl("delete", "llms", "real", "-n", namespace)
-    wait_until("the engine pod gone", lambda: not crds.items("pods", namespace, "slofleet.dev/service=real"), timeout=60)
+    wait_until("the engine pod gone", lambda: not crds.items("pods", namespace, "slofleet.dev/service=real"),
+               timeout=60)
 
 
 @pytest.fixture

@@ -61,7 +61,7 @@ def test_padded_replay_matches_eager_torch():
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
     written = torch.zeros(kc.shape[0] * kc.shape[1], dtype=torch.bool, device=DEVICE)
     written[meta.slot_mapping] = True
-    for (k, v), (rk, rv) in zip(kv, ref_kv):
+    for (k, v), (rk, _) in zip(kv, ref_kv):
         torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
         for new, old in ((k, kc), (v, vc)):  # the padding row wrote nothing
             assert torch.equal(new.view(-1, 2, 16)[~written], old.view(-1, 2, 16)[~written])

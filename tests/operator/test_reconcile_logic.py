@@ -35,9 +35,9 @@ def arg(container: dict, flag: str) -> str:
 
 def test_unified_defaults_produce_the_expected_children():
     objs = build(svc())
-    assert sorted(objs) == ["ConfigMap/s-engine", "Deployment/s-router", "Deployment/s-unified", "PodDisruptionBudget/s",
-                            "RoleBinding/s-router", "Secret/s-internal-token", "Service/s-router", "Service/s-unified",
-                            "ServiceAccount/s-router"]
+    assert sorted(objs) == ["ConfigMap/s-engine", "Deployment/s-router", "Deployment/s-unified",
+                            "PodDisruptionBudget/s", "RoleBinding/s-router", "Secret/s-internal-token",
+                            "Service/s-router", "Service/s-unified", "ServiceAccount/s-router"]
     for o in objs.values():
         assert o["metadata"]["namespace"] == "ns"
         assert o["metadata"]["ownerReferences"] == [{"apiVersion": "slofleet.dev/v1alpha1", "kind": "LLMService",
@@ -81,7 +81,8 @@ def test_the_router_is_deployed_in_front_of_the_engines():
     d = objs["Deployment/s-router"]["spec"]
     pod = d["template"]["spec"]
     c = pod["containers"][0]
-    assert d["replicas"] == 2 and d["selector"]["matchLabels"] == {"slofleet.dev/service": "s", "slofleet.dev/role": "router"}
+    assert d["replicas"] == 2
+    assert d["selector"]["matchLabels"] == {"slofleet.dev/service": "s", "slofleet.dev/role": "router"}
     assert objs["Service/s-router"]["spec"]["selector"] == d["selector"]["matchLabels"]
     assert objs["Service/s-router"]["spec"]["ports"] == [{"name": "http", "port": 9090, "targetPort": "http"}]
     assert c["command"] == ["slofleet", "router"] and c["image"] == "reg/x:1"  # the one image
@@ -215,7 +216,8 @@ def test_children_are_deterministic():
 
 def _dep(desired: int, ready: int, updated: int | None = None, gen: int = 2, seen: int = 2, conds=()):
     return {"metadata": {"generation": gen},
-            "status": {"replicas": desired, "readyReplicas": ready, "updatedReplicas": desired if updated is None else updated,
+            "status": {"replicas": desired, "readyReplicas": ready,
+                       "updatedReplicas": desired if updated is None else updated,
                        "observedGeneration": seen, "conditions": list(conds)}}
 
 
