@@ -2,7 +2,9 @@
 #   make cluster        build (cached) and start etcd, kube-apiserver, kube-controller-manager, node runner
 #   make cluster-down   stop it (state kept);  make cluster-purge: stop and forget the cluster
 #   make cluster-bins   only build the binaries (prints their folder)
-.PHONY: cluster cluster-down cluster-purge cluster-bins crds
+#   make cluster-urls   where each Service answers from this machine (the node runner proxies it on loopback)
+.PHONY: cluster cluster-down cluster-purge cluster-bins cluster-urls crds
+CLUSTER_DIR ?= $(or $(SLOFLEET_CLUSTER_DIR),$(HOME)/.cache/slofleet/cluster)
 cluster: install
 	PYTHON=$(abspath $(PY)) tests/cluster/up.sh
 
@@ -14,6 +16,10 @@ cluster-purge:
 
 cluster-bins:
 	tests/cluster/build.sh
+
+cluster-urls:
+	@kubectl --kubeconfig $(CLUSTER_DIR)/kubeconfig get services -A \
+	  -o custom-columns='NAMESPACE:.metadata.namespace,SERVICE:.metadata.name,LOCAL-URL:.metadata.annotations.slofleet\.dev/local-url'
 
 # Regenerate crds/*.yaml (and its copies in the chart and manifests/) from the models in crds/slofleet/api.
 crds: install

@@ -2,10 +2,13 @@
 
 It registers node `slofleet-node`, binds every unscheduled pod to it (there is no kube-scheduler), starts each
 container's command + args as a local process with the pod's environment and a 127.0.x.y pod IP (`$(VAR)` in
-args expanded as the kubelet does; configMap volumes written to a local folder, their mount paths rewritten in
-env and args), reports Ready from the container's HTTP readiness probe, restarts exited containers, and on pod
-deletion sends SIGTERM, waits out the grace period and then removes the pod. Images, init containers, other
-volume kinds, resource limits and security contexts are ignored: this is no kubelet, only enough of one for
+args expanded as the kubelet does; volumes, env from ConfigMaps and Secrets and the ServiceAccount's credentials
+as volumes.py makes them, mount paths rewritten in env and args to the local folders; a Python program's listen
+on every address narrowed to the pod IP by podnet/sitecustomize.py), reports Ready from the container's HTTP
+readiness probe, restarts exited containers, and on pod deletion sends SIGTERM, waits out the grace period and
+then removes the pod. It publishes Services' endpoints and makes each Service reachable from this machine on a
+loopback address (services.py; the Service's annotation slofleet.dev/local-url says where). Images, init
+containers, resource limits and security contexts are ignored: this is no kubelet, only enough of one for
 operator, autoscaler and router tests against real processes.
 
 Usage: KUBECONFIG=... python noderunner.py --state-dir DIR   (commands resolve in this process's PATH)
@@ -25,8 +28,12 @@ from pathlib import Path
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from localproc import Container, now  # beside this script
+from services import Services
+from volumes import Missing, PodVolumes
 
 NODE = "slofleet-node"
+PODNET = str(Path(__file__).resolve().parent / "podnet")  # its sitecustomize gives each pod its own wildcard address
+REFRESH_SECONDS = 2.0  # how often a running pod's ConfigMap, Secret and token files are brought up to date
 
 
 @dataclass
@@ -35,22 +42,35 @@ class Pod:
     namespace: str
     name: str
     ip: str
+    volumes: PodVolumes
     containers: list[Container] = field(default_factory=list)
     reported: dict = field(default_factory=dict)
+    waiting: str = ""  # why its containers cannot start yet
+    refreshed: float = 0.0
 
 
-def resolve_env(pod: dict, container: dict, ip: str) -> dict[str, str]:
+def resolve_env(pod: dict, container: dict, ip: str, vols: PodVolumes, local: dict[str, str]) -> dict[str, str]:
     fields = {"status.podIP": ip, "metadata.name": pod["metadata"]["name"], "spec.nodeName": NODE,
-              "metadata.namespace": pod["metadata"]["namespace"], "status.hostIP": "127.0.0.1"}
+              "metadata.namespace": pod["metadata"]["namespace"], "status.hostIP": "127.0.0.1",
+              "metadata.uid": pod["metadata"]["uid"], "spec.serviceAccountName": pod["spec"].get("serviceAccountName")}
     # The runner's own environment underneath (as a process would inherit it: machine settings such as
-    # OPENBLAS_CORETYPE matter to torch), the pod's on top.
-    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"} | {"POD_IP": ip}
+    # OPENBLAS_CORETYPE matter to torch), less the admin's kubeconfig and HOME (whose ~/.kube/config may be one):
+    # a pod holds only its own ServiceAccount's credentials. Then envFrom, and env over it, as the kubelet orders;
+    # only what the pod names gets its mount paths relocated (a local path may lie under a mount path, e.g. /tmp).
+    env = {k: v for k, v in os.environ.items() if "KUBECONFIG" not in k} | {"POD_IP": ip}
+    env |= {"HOME": str(vols.folder / "home")} | vols.credentials(container)
+    for src in container.get("envFrom") or []:
+        env |= {k: relocate(v, local) for k, v in vols.env_from(src).items()}
     for var in container.get("env") or []:
+        vf = var.get("valueFrom") or {}
         if "value" in var:
-            env[var["name"]] = expand(var["value"], env)
-        elif (ref := (var.get("valueFrom") or {}).get("fieldRef")) and ref["fieldPath"] in fields:
+            env[var["name"]] = expand(relocate(var["value"], local), env)
+        elif (ref := vf.get("fieldRef")) and ref["fieldPath"] in fields:
             env[var["name"]] = fields[ref["fieldPath"]]
-    return env
+        elif ref := vf.get("configMapKeyRef") or vf.get("secretKeyRef"):
+            if (value := vols.key("configmaps" if "configMapKeyRef" in vf else "secrets", ref)) is not None:
+                env[var["name"]] = relocate(value, local)
+    return env | {"NODERUNNER_POD_IP": ip, "PYTHONPATH": os.pathsep.join(filter(None, [PODNET, env.get("PYTHONPATH")]))}
 
 
 def expand(text: str, env: dict[str, str]) -> str:
@@ -62,14 +82,15 @@ def expand(text: str, env: dict[str, str]) -> str:
 class Runner:
     def __init__(self, state: Path):
         self.core = client.CoreV1Api()
-        self.coord = client.CoordinationV1Api()
+        self.server = client.Configuration.get_default_copy().host  # the API server pods are pointed at
+        self.services = Services(self.core, NODE)
         self.state = state
         self.pods: dict[str, Pod] = {}
         self.next_ip = 2
 
     def register_node(self) -> None:
-        node = {"metadata": {"name": NODE, "labels": {"kubernetes.io/hostname": NODE, "slofleet.dev/test-node": "true"}},
-                "spec": {}}
+        labels = {"kubernetes.io/hostname": NODE, "slofleet.dev/test-node": "true"}
+        node = {"metadata": {"name": NODE, "labels": labels}, "spec": {}}
         try:
             self.core.create_node(node)
         except ApiException as e:
@@ -92,38 +113,29 @@ class Runner:
         n, self.next_ip = self.next_ip, self.next_ip + 1
         return f"127.0.{n // 250 + 1}.{n % 250 + 2}"
 
-    def start_pod(self, pod: dict) -> Pod:
-        m, spec = pod["metadata"], pod["spec"]
-        p = Pod(m["uid"], m["namespace"], m["name"], self.allocate_ip())
-        folder = self.state / f"{p.namespace}_{p.name}_{p.uid[:8]}"
-        mounts = self.materialize_volumes(pod, folder)
-        for c in spec["containers"]:
-            env = resolve_env(pod, c, p.ip)
-            local = {vm["mountPath"]: mounts[vm["name"]] for vm in c.get("volumeMounts") or [] if vm["name"] in mounts}
-            env = {k: relocate(v, local) for k, v in env.items()}
-            argv = [relocate(expand(a, env), local) for a in (c.get("command") or []) + (c.get("args") or [])]
+    def new_pod(self, pod: dict) -> Pod:
+        m = pod["metadata"]
+        folder = self.state / f"{m['namespace']}_{m['name']}_{m['uid'][:8]}"
+        return Pod(m["uid"], m["namespace"], m["name"], self.allocate_ip(), PodVolumes(self.core, pod, folder,
+                                                                                       self.server))
+
+    def start_containers(self, p: Pod, pod: dict) -> None:
+        """Raises Missing (or the API's error) before starting anything if a volume or env var cannot be made."""
+        p.volumes.refresh()
+        p.refreshed, folder = time.monotonic(), p.volumes.folder
+        (folder / "home").mkdir(exist_ok=True)
+        containers = []
+        for c in pod["spec"]["containers"]:
+            local = p.volumes.mounts(c)
+            env = resolve_env(pod, c, p.ip, p.volumes, local)
+            argv = [expand(relocate(a, local), env) for a in (c.get("command") or []) + (c.get("args") or [])]
             if argv:
                 argv[0] = shutil.which(argv[0], path=env["PATH"]) or argv[0]
-            p.containers.append(Container(c["name"], argv, env, probe_url(c, p.ip), folder / f"{c['name']}.log",
-                                          folder / f"{c['name']}.pid"))
-        for c in p.containers:
+            containers.append(Container(c["name"], argv, env, probe_url(c, p.ip), folder / f"{c['name']}.log",
+                                        folder / f"{c['name']}.pid"))
+        p.containers, p.waiting = containers, ""
+        for c in containers:
             c.start()
-        return p
-
-    def materialize_volumes(self, pod: dict, folder: Path) -> dict[str, str]:
-        out = {}
-        for v in pod["spec"].get("volumes") or []:
-            path = folder / "volumes" / v["name"]
-            path.mkdir(parents=True, exist_ok=True)
-            if "configMap" in v:
-                try:
-                    cm = self.core.read_namespaced_config_map(v["configMap"]["name"], pod["metadata"]["namespace"])
-                    for key, value in (cm.data or {}).items():
-                        (path / key).write_text(value)
-                except ApiException:
-                    pass
-            out[v["name"]] = str(path)
-        return out
 
     def sync(self) -> None:
         # Raw JSON (camelCase, as in manifests) rather than the client's snake_case models.
@@ -140,15 +152,13 @@ class Runner:
             seen.add(meta["uid"])
             if meta.get("deletionTimestamp"):
                 self.finish(pod)
-            elif meta["uid"] not in self.pods:
-                if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-                    continue
-                self.pods[meta["uid"]] = self.start_pod(pod)
-            else:
-                self.tend(self.pods[meta["uid"]], pod)
+            elif meta["uid"] in self.pods or (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+                p = self.pods[meta["uid"]] = self.pods.get(meta["uid"]) or self.new_pod(pod)
+                self.tend(p, pod)
         for uid in [u for u in self.pods if u not in seen]:  # removed behind our back
             for c in self.pods.pop(uid).containers:
                 c.stop(2)
+        self.services.sync(pods)
 
     def bind(self, meta: dict) -> None:
         body = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": meta["name"], "uid": meta["uid"]},
@@ -161,6 +171,18 @@ class Runner:
                 raise
 
     def tend(self, p: Pod, pod: dict) -> None:
+        try:
+            if not p.containers:
+                self.start_containers(p, pod)
+            elif time.monotonic() - p.refreshed > REFRESH_SECONDS:
+                p.refreshed = time.monotonic()
+                p.volumes.refresh()
+        except (Missing, ApiException) as e:
+            # Not started yet: it waits (CreateContainerConfigError). Running: it keeps its files, as with the kubelet.
+            why = str(e) if isinstance(e, Missing) else f"API: {e.status} {e.reason}"
+            if p.containers:
+                print(f"noderunner: {p.namespace}/{p.name}: volumes not refreshed: {why}", flush=True)
+            p.waiting = p.waiting if p.containers else why
         for c in p.containers:
             if not c.running() and time.monotonic() >= c.next_start:
                 if c.proc is not None:  # it exited: back off, then start it again (restartPolicy Always)
@@ -173,22 +195,25 @@ class Runner:
         self.report(p, pod)
 
     def report(self, p: Pod, pod: dict) -> None:
-        ready = all(c.ready for c in p.containers)
+        ready = bool(p.containers) and all(c.ready for c in p.containers)
         statuses = [{"name": c.name, "ready": c.ready, "started": c.running(), "restartCount": c.restarts,
                      "image": next(x["image"] for x in pod["spec"]["containers"] if x["name"] == c.name),
                      "imageID": "", "containerID": f"local-process://{c.proc.pid if c.proc else 0}",
                      "state": {"running": {"startedAt": c.started_at}} if c.running()
                      else {"waiting": {"reason": "CrashLoopBackOff" if c.restarts else "ContainerCreating"}}}
-                    for c in p.containers]
-        key = (ready, tuple((s["ready"], s["started"], s["restartCount"]) for s in statuses))
+                    for c in p.containers] or [
+            {"name": x["name"], "ready": False, "started": False, "restartCount": 0, "image": x["image"], "imageID": "",
+             "state": {"waiting": {"reason": "CreateContainerConfigError", "message": p.waiting}}}
+            for x in pod["spec"]["containers"]]
+        key = (ready, p.waiting, tuple((s["ready"], s["started"], s["restartCount"]) for s in statuses))
         if p.reported.get("key") == key:
             return
         t = now()
-        cond = lambda type_, ok: {"type": type_, "status": "True" if ok else "False", "lastTransitionTime": t}
-        status = {"phase": "Running", "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}], "podIP": p.ip,
-                  "podIPs": [{"ip": p.ip}], "startTime": p.reported.get("start", t), "containerStatuses": statuses,
-                  "conditions": [cond("PodScheduled", True), cond("Initialized", True),
-                                 cond("ContainersReady", ready), cond("Ready", ready)]}
+        conds = [{"type": type_, "status": "True" if ok else "False", "lastTransitionTime": t} for type_, ok in
+                 [("PodScheduled", True), ("Initialized", True), ("ContainersReady", ready), ("Ready", ready)]]
+        status = {"phase": "Running" if p.containers else "Pending", "hostIP": "127.0.0.1",
+                  "hostIPs": [{"ip": "127.0.0.1"}], "podIP": p.ip, "podIPs": [{"ip": p.ip}],
+                  "startTime": p.reported.get("start", t), "containerStatuses": statuses, "conditions": conds}
         try:
             self.core.patch_namespaced_pod_status(p.name, p.namespace, {"status": status})
             p.reported.update(key=key, start=status["startTime"])
@@ -228,10 +253,11 @@ def probe_url(container: dict, ip: str) -> str | None:
 
 
 def relocate(text: str, local: dict[str, str]) -> str:
-    # One pass, longest mount first: a local folder (under /tmp) must not be rewritten again by a /tmp mount.
+    # One pass, longest mount first: a local folder (under /tmp) must not be rewritten again by a /tmp mount;
+    # a whole path component only (/tmp, not /tmpfs).
     if not local:
         return text
-    pattern = "|".join(re.escape(m) for m in sorted(local, key=len, reverse=True))
+    pattern = "(?:" + "|".join(re.escape(m) for m in sorted(local, key=len, reverse=True)) + r")(?![\w.-])"
     return re.sub(pattern, lambda m: local[m.group(0)], text)
 
 

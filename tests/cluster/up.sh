@@ -81,11 +81,15 @@ start kube-apiserver "$bin/kube-apiserver" \
 wait_for kube-apiserver 90 kubectl --kubeconfig "$kubeconfig" get --raw /readyz
 phase "kube-apiserver up on 127.0.0.1:$api_port"
 
+# --root-ca-file: the CA it publishes in each namespace's kube-root-ca.crt, which pods' ServiceAccount volumes hold.
+# No endpoint controllers: the API refuses the node runner's loopback pod IPs in Endpoints and EndpointSlices, so
+# the runner publishes Services' endpoints itself (tests/cluster/services.py).
 start kube-controller-manager "$bin/kube-controller-manager" \
   --kubeconfig "$kubeconfig" --authentication-kubeconfig "$kubeconfig" --authorization-kubeconfig "$kubeconfig" \
   --bind-address 127.0.0.1 --secure-port 0 --leader-elect=false \
   --service-account-private-key-file "$dir/pki/sa.key" --use-service-account-credentials=false \
-  --controllers '*,-node-ipam-controller,-node-lifecycle-controller,-persistentvolume-binder-controller,-persistentvolume-attach-detach-controller' \
+  --root-ca-file "$dir/pki/apiserver.crt" \
+  --controllers '*,-endpoints-controller,-endpointslice-controller,-node-ipam-controller,-node-lifecycle-controller,-persistentvolume-binder-controller,-persistentvolume-attach-detach-controller' \
   --concurrent-deployment-syncs 10 --concurrent-replicaset-syncs 10 --concurrent-gc-syncs 20
 wait_for "default service account" 60 kubectl --kubeconfig "$kubeconfig" -n default get serviceaccount default
 phase "kube-controller-manager up"

@@ -7,6 +7,7 @@ against that cluster (kind, k3d) instead and nothing is started.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -77,6 +78,18 @@ class Cluster:
     def items(self, kind: str, ns: str, selector: str = "") -> list[dict]:
         r = self.kubectl("get", kind, "-n", ns, "-o", "json", *(["-l", selector] if selector else []))
         return json.loads(r.stdout)["items"]
+
+
+def engine_auth(cluster: Cluster, ns: str, service: str) -> dict[str, str]:
+    """The header the router sends an engine of `service`: its internal token, from the operator's Secret (the node
+    runner gives engine pods the env they take from it, as a kubelet does, so they refuse /v1/* without it)."""
+    from slofleet.api.contract import INTERNAL_TOKEN_KEY
+    from slofleet.api.v1alpha1 import LLMService
+    from slofleet.operator.podspec import secret_name
+
+    name = secret_name(LLMService.model_validate({"metadata": {"name": service, "namespace": ns}, "spec": {}}))
+    token = base64.b64decode(cluster.get("secret", name, ns)["data"][INTERNAL_TOKEN_KEY]).decode()
+    return {"Authorization": f"Bearer {token}"}
 
 
 def wait_until(what: str, fn, timeout: float = 60, interval: float = 0.5):

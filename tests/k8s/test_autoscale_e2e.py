@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.k8s.conftest import REPO, log, wait_until
+from tests.k8s.conftest import REPO, engine_auth, log, wait_until
 from tests.k8s.test_operator import UNIFIED, apply, condition, operator  # noqa: F401 (operator: a fixture)
 
 STABILIZE_S = 20
@@ -45,15 +45,15 @@ class Load:
     """Many concurrent long completions against one engine, so its queue (max_num_seqs 2) grows. Closing it
     cancels the requests in flight: the engine aborts them on the disconnect, so the load stops at once."""
 
-    def __init__(self, url: str, model: str, concurrency: int = 14):
-        self.url, self.model, self.concurrency = url, model, concurrency
+    def __init__(self, url: str, model: str, headers: dict[str, str], concurrency: int = 14):
+        self.url, self.model, self.headers, self.concurrency = url, model, headers, concurrency
         self.done, self.errors, self.tasks = 0, [], []
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self.main(),), daemon=True)
         self.thread.start()
 
     async def main(self) -> None:
-        async with httpx.AsyncClient(timeout=120) as c:
+        async with httpx.AsyncClient(timeout=120, headers=self.headers) as c:
             self.tasks = [asyncio.create_task(self.client(c, i)) for i in range(self.concurrency)]
             for r in await asyncio.gather(*self.tasks, return_exceptions=True):
                 if not isinstance(r, asyncio.CancelledError):
@@ -97,8 +97,9 @@ def test_queue_growth_scales_up_and_idle_scales_down(crds, namespace, operator, 
 
     pod = crds.items("pods", namespace, "slofleet.dev/service=scaled,slofleet.dev/role=unified")[0]
     url = f"http://{pod['status']['podIP']}:8000"
-    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-    load = Load(url, model)
+    auth = engine_auth(crds, namespace, "scaled")
+    model = httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
+    load = Load(url, model, auth)
     try:
         up = wait_until("desiredReplicas 2", lambda: (d := decision(crds, namespace)).get("desiredReplicas") == 2 and d,
                         timeout=90)

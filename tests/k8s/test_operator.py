@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.k8s.conftest import REPO, free_ports, log, wait_until
+from tests.k8s.conftest import REPO, engine_auth, free_ports, log, wait_until
 
 UNIFIED = {"engine": {"resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
                       "drainSeconds": 5, "maxNumSeqs": 8},
@@ -218,11 +218,13 @@ def test_real_engine_pod_serves(crds, namespace, operator):
     spec = {"engine": {**UNIFIED["engine"], "kvCacheMemoryGb": 0.25, "maxModelLen": 2048,
                        "env": {"PATH": real_path}},  # the pod's PATH finds the real CLI, not the fake
             "topology": {"unified": {"replicas": 1}}, "buckets": UNIFIED["buckets"],
-            "router": {"enabled": False}}  # the real router needs in-cluster API credentials the node runner lacks
+            "router": {"enabled": False}}  # the engine alone
     apply(crds, namespace, "real", spec)
     wait_until("Ready=True", lambda: condition(crds.get("llms", "real", namespace), "Ready") == "True", timeout=240)
     pod = crds.items("pods", namespace, "slofleet.dev/service=real")[0]
-    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/v1/models", timeout=10) as r:
+    ask = urllib.request.Request(f"http://{pod['status']['podIP']}:8000/v1/models",
+                                 headers=engine_auth(crds, namespace, "real"))
+    with urllib.request.urlopen(ask, timeout=10) as r:
         assert json.loads(r.read())["data"][0]["id"]
     log(f"  real engine Ready and serving: {time.monotonic() - t0:.1f}s")
     crds.kubectl("delete", "llms", "real", "-n", namespace)
