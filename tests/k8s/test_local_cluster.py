@@ -6,9 +6,11 @@ One pod (a small Python program run by the node runner with the repo's Python) r
 """
 from __future__ import annotations
 
+import datetime as dt
 import json
 import urllib.request
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -158,3 +160,29 @@ def test_service_answers_from_the_host_at_its_local_url(cluster, probe):
     assert ask(url)["namespace"] == ns
     listed = cluster.kubectl("get", "svc", "-A", "-o", "json")
     assert url in {(s["metadata"].get("annotations") or {}).get(LOCAL_URL) for s in json.loads(listed.stdout)["items"]}
+
+
+def test_token_is_bound_to_the_pod_and_renewed_at_80_percent_of_its_lifetime(monkeypatch, tmp_path):
+    # Pure (a stand-in API): the shortest TokenRequest lifetime, 10 minutes, is too long to wait out.
+    from tests.cluster import volumes
+
+    asked, clock = [], [1000.0]
+
+    class Core:
+        def create_namespaced_service_account_token(self, sa, ns, body, _preload_content):
+            asked.append((sa, ns, body["spec"]))
+            expires = dt.datetime.fromtimestamp(clock[0] + body["spec"]["expirationSeconds"], dt.timezone.utc)
+            status = {"token": f"t{len(asked)}", "expirationTimestamp": expires.strftime("%Y-%m-%dT%H:%M:%SZ")}
+            return SimpleNamespace(data=json.dumps({"status": status}))
+
+    monkeypatch.setattr(volumes.time, "time", lambda: clock[0])
+    pod = {"metadata": {"name": "p", "namespace": "ns", "uid": "u1"}, "spec": {"serviceAccountName": "sa"}}
+    vols = volumes.PodVolumes(Core(), pod, tmp_path, "https://127.0.0.1:6443")
+    src = {"path": "token", "expirationSeconds": 3600}
+    assert vols.token(src) == b"t1"
+    assert asked == [("sa", "ns", {"expirationSeconds": 3600,
+                                   "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "u1"}})]
+    clock[0] += 0.79 * 3600
+    assert vols.token(src) == b"t1" and len(asked) == 1
+    clock[0] += 0.02 * 3600
+    assert vols.token(src) == b"t2" and len(asked) == 2
