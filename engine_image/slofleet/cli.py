@@ -13,6 +13,7 @@ COMMANDS = {
     "autoscaler": ("slofleet.autoscaler.cli", "run the SLO-driven autoscaler"),
     "simulate": ("slofleet.autoscaler.simulate_cli", "replay traces through the fleet simulator"),
     "router": ("slofleet.router.cli", "run the bucket/priority-aware router in front of engines"),
+    "diagnose": ("slofleet.autoscaler.diagnose_cli", "say which clock, bucket and phase misses its SLO, from metrics"),
 }
 
 
