@@ -45,6 +45,8 @@ def test_healthy_service_is_all_null(shared, tmp_path):
     v = diagnose(tmp_path, [HEALTHY], shared.url)
     assert (v["slow_clock"], v["bucket"], v["dominant"], v["evidence"], v["actions"]) == (None, None, None, {}, [])
     assert [(b["name"], b["requests"], b["met"]) for b in v["buckets"]] == [("chat", 6, True)]
+    quiet = diagnose(tmp_path, [HEALTHY], shared.url, window=1)  # two scrapes a second apart: nothing finished
+    assert (quiet["slow_clock"], quiet["window_s"], quiet["buckets"][0]["requests"]) == (None, 1.0, 0)
 
 
 def test_prefill_dominated(shared, tmp_path):
