@@ -16,10 +16,10 @@ def test_helm_lint_and_template_are_clean(cluster):
     assert "0 chart(s) failed" in lint.stdout and "[WARNING]" not in lint.stdout, lint.stdout
     out = cluster.helm("template", "slofleet", CHART, "--namespace", NS, "--include-crds").stdout
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
-    # ClusterRoles: the operator's, the routers', the autoscaler's
+    # ClusterRoles: the operator's, the routers', the autoscaler's; the ConfigMap: the Grafana dashboard
     assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
-                     "CustomResourceDefinition", "CustomResourceDefinition", "Deployment", "Deployment", "Service",
-                     "ServiceAccount", "ServiceAccount"]
+                     "ConfigMap", "CustomResourceDefinition", "CustomResourceDefinition", "Deployment", "Deployment",
+                     "Service", "ServiceAccount", "ServiceAccount"]
     deployments = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
                    for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"}
     assert "--router-cluster-role=slofleet-router" in deployments["slofleet-operator"]["args"]

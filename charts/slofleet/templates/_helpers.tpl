@@ -20,3 +20,22 @@ app.kubernetes.io/part-of: slofleet
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
 {{- end -}}
+{{- /* The engines' histogram bounds, as /metrics writes them in `le` (engine/server/metrics.py; a test keeps
+them equal): LATENCY_BUCKETS for TTFT and E2E, TOKEN_BUCKETS for the time per output token. */ -}}
+{{- define "slofleet.latencyBounds" -}}0.005 0.01 0.02 0.04 0.06 0.08 0.1 0.25 0.5 0.75 1.0 2.5 5.0 7.5 10.0 20.0 40.0 80.0 160.0{{- end -}}
+{{- define "slofleet.tokenBounds" -}}0.001 0.005 0.01 0.02 0.04 0.06 0.08 0.1 0.15 0.2 0.3 0.4 0.5 0.75 1.0 2.5 5.0{{- end -}}
+{{- /* The bound a target of `ms` milliseconds is read at: the nearest one (the lower on a tie). */ -}}
+{{- define "slofleet.le" -}}
+{{- $le := first .bounds -}}
+{{- $best := -1.0 -}}
+{{- range .bounds }}{{ $d := subf (round (mulf (float64 .) 1000.0) 3) (float64 $.ms) }}{{ if lt $d 0.0 }}{{ $d = mulf $d -1.0 }}{{ end }}
+{{- if or (lt $best 0.0) (lt $d $best) }}{{ $le = . }}{{ $best = $d }}{{ end }}{{ end -}}
+{{- $le -}}
+{{- end -}}
+{{- define "slofleet.monitoringLabels" -}}
+app.kubernetes.io/name: slofleet-monitoring
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: slofleet
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
+{{- end -}}
