@@ -19,8 +19,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loadgen import Bucket, Result, percentile, stream_one  # noqa: E402
+from slofleet.bench.loadgen import Bucket, Result, percentile, stream_one
 
 BUCKETS = [
     Bucket("chat", (20, 60), 48, ttft_slo=2.0, tpot_slo=0.25, share=0.7),
@@ -76,7 +75,8 @@ def report(system: str, rate: float, results: list[Result]) -> dict:
                             tokens=sum(r.tokens for r in ok) / max(1, len(ok)))
         r = rows[b.name]
         print(f"{system:18s} {rate:5.2f} {b.name:12s} {r['n']:4d} {r['ttft50']:8.2f} {r['ttft95']:8.2f} "
-              f"{r['tpot50'] * 1000:8.0f} {r['tpot95'] * 1000:8.0f} {r['slo'] * 100:6.0f}% {r['tokens']:6.0f}", flush=True)
+              f"{r['tpot50'] * 1000:8.0f} {r['tpot95'] * 1000:8.0f} {r['slo'] * 100:6.0f}% {r['tokens']:6.0f}",
+              flush=True)
     return rows
 
 
@@ -84,7 +84,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     ap.add_argument("--duration", type=float, default=60, help="seconds of arrivals per rate")
-    ap.add_argument("--transformers-serve", action="store_true", help="also run transformers serve --continuous-batching")
+    ap.add_argument("--transformers-serve", action="store_true",
+                    help="also run transformers serve --continuous-batching")
     ap.add_argument("--port", type=int, default=8100)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256,
                     help="slofleet's step budget: a smaller one bounds how long a chat waits behind a document chunk")

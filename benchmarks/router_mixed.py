@@ -22,8 +22,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from loadgen import Bucket, Result, percentile, stream_one  # noqa: E402
 from router_prefix import MODEL, start, wait_ready  # noqa: E402
+
+from slofleet.bench.loadgen import Bucket, Result, percentile, stream_one  # noqa: E402
 
 ROUTER_BUCKETS = {"buckets": [
     {"name": "chat", "priority": 0, "match": {"maxPromptTokens": 400}, "slo": {"ttftMs": 1000}},

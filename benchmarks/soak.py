@@ -18,7 +18,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from load import start  # noqa: E402
-from loadgen import Bucket, stream_one  # noqa: E402
+
+from slofleet.bench.loadgen import Bucket, stream_one  # noqa: E402
 
 SHAPE = Bucket("soak", (5, 80), 24, ttft_slo=0, tpot_slo=0, share=1)
 

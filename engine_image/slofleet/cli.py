@@ -13,6 +13,8 @@ COMMANDS = {
     "autoscaler": ("slofleet.autoscaler.cli", "run the SLO-driven autoscaler"),
     "simulate": ("slofleet.autoscaler.simulate_cli", "replay traces through the fleet simulator"),
     "router": ("slofleet.router.cli", "run the bucket/priority-aware router in front of engines"),
+    "bench": ("slofleet.bench.cli", "replay a trace or a synthetic mix against an OpenAI-compatible URL, open-loop; "
+              "per-bucket latency percentiles, attainment and goodput"),
     "diagnose": ("slofleet.autoscaler.diagnose_cli", "say which clock, bucket and phase misses its SLO, from metrics"),
 }
 

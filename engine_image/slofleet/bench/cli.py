@@ -1,0 +1,128 @@
+"""`slofleet bench`: replay a real trace (or a synthetic chat / document / long-output mix) against any
+OpenAI-compatible URL, open-loop: each request leaves at its arrival time whether or not earlier ones finished.
+Prints per-bucket TTFT/TPOT/E2E percentiles, and with --buckets (an LLMService or SLOPolicy file, or one with only
+spec.buckets) attainment and goodput against each bucket's SLO. --json prints one object with `vllm bench
+serve`'s field names; --png plots latency CDFs per bucket and attainment over time. Progress goes to stderr.
+
+Prompts are made of words that are one token each for most tokenizers, so their lengths are as in the trace;
+--max-prompt-tokens and --max-output-tokens clip them for small servers. The bucket of each request is sent as
+the x-slofleet-bucket header (an engine labels its metrics with it; a router classifies by its own rules)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+from . import workload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (an engine, a router, any "
+                   "OpenAI-compatible API), without /v1")
+    p.add_argument("--model", help="default: the first of the server's /v1/models")
+    p.add_argument("--endpoint", default="/v1/chat/completions", choices=["/v1/chat/completions", "/v1/completions"])
+    p.add_argument("--trace", default="synthetic", choices=["synthetic", *workload.TRACES],
+                   help="synthetic: the chat/doc/long-output mix, Poisson arrivals; else a real trace "
+                   "(../shared/data/traces: Azure 2023 conversation and code, Mooncake's long conversations)")
+    p.add_argument("--request-rate", "--rate", type=float, help="requests per second (inf: all at once); a trace is "
+                   "time-scaled to it (default: its recorded timing); the synthetic mix needs it")
+    p.add_argument("--num-prompts", type=int, help="requests to send (default: all within --duration)")
+    p.add_argument("--duration", type=float, help="seconds of arrivals (default 60 when --num-prompts is unset)")
+    p.add_argument("--buckets", help="YAML/JSON with the buckets (an LLMService, an SLOPolicy, or spec.buckets): "
+                   "classifies each request and gives the SLOs")
+    p.add_argument("--max-prompt-tokens", type=int, help="clip prompts to this")
+    p.add_argument("--max-output-tokens", type=int, help="clip max_tokens to this")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens each (vLLM's field; slofleet's too)")
+    p.add_argument("--metric-percentiles", default="50,90,99", help="comma-separated percentiles to report")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token ($OPENAI_API_KEY)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of the table")
+    p.add_argument("--png", help="write latency CDFs per bucket and attainment over time to this PNG")
+    p.add_argument("--progress-interval", type=float, default=5.0, help="seconds between progress lines on stderr")
+
+
+def items_of(args: argparse.Namespace) -> list[workload.Item]:
+    duration = args.duration if args.duration is not None or args.num_prompts else 60.0
+    if args.trace == "synthetic":
+        if args.request_rate is None:
+            raise SystemExit("slofleet bench: the synthetic mix needs --request-rate")
+        items = workload.synthetic(args.request_rate, args.num_prompts, duration, args.seed)
+    else:
+        items = workload.replay(args.trace, args.request_rate, args.num_prompts, duration, args.seed)
+    workload.clip(items, args.max_prompt_tokens, args.max_output_tokens)
+    return items
+
+
+async def drive(args: argparse.Namespace, model: str, items: list[workload.Item], headers: dict[str, str]):
+    import httpx
+
+    from .loadgen import stream_one
+
+    done: list = []
+    async with httpx.AsyncClient(timeout=args.timeout, limits=httpx.Limits(max_connections=None)) as client:
+        origin = time.perf_counter()
+
+        async def one(it: workload.Item):
+            r = await stream_one(client, args.url, workload.body(it, model, args.endpoint, args.ignore_eos),
+                                 it.bucket, path=args.endpoint, headers=headers, origin=origin)
+            done.append(r)
+            return r
+
+        async def progress():
+            while True:
+                await asyncio.sleep(args.progress_interval)
+                failed = sum(r.status != 200 or r.ttft is None for r in done)
+                print(f"slofleet bench: {time.perf_counter() - origin:6.1f} s, {len(tasks)}/{len(items)} sent, "
+                      f"{len(done)} done ({failed} failed), {len(tasks) - len(done)} in flight",
+                      file=sys.stderr, flush=True)
+
+        tasks: list[asyncio.Task] = []
+        reporter = asyncio.create_task(progress())
+        for it in items:
+            await asyncio.sleep(max(0.0, origin + it.at - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(it)))
+        results = await asyncio.gather(*tasks)
+        reporter.cancel()
+        return list(results), time.perf_counter() - origin
+
+
+def first_model(url: str, headers: dict[str, str]) -> str:
+    import httpx
+
+    r = httpx.get(url + "/v1/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import report
+
+    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    targets: dict[str, workload.Target] = {}
+    items = items_of(args)
+    if args.buckets:
+        classifier, targets = workload.targets_of(args.buckets)
+        workload.classify(items, classifier, args.endpoint)
+    if not items:
+        raise SystemExit("slofleet bench: no requests to send (see --num-prompts, --duration)")
+    model = args.model or first_model(args.url, headers)
+    rate = args.request_rate
+    workload_name = f"{args.trace} at {'its recorded rate' if rate is None else f'{rate:g} req/s'}"
+    results, duration = asyncio.run(drive(args, model, items, headers))
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "backend": "openai-chat" if "chat" in
+            args.endpoint else "openai", "url": args.url, "model_id": model, "model": model, "endpoint": args.endpoint,
+            "workload": workload_name, "trace": args.trace,
+            "request_rate": "inf" if rate is not None and math.isinf(rate) else rate}
+    s = report.summary(results, duration, percentiles, targets, meta)
+    s["errors"] = sorted({r.error for r in results if r.error})[:20]
+    if args.png:
+        report.plot(results, s, args.png)
+    print(json.dumps(s, indent=1) if args.json else report.table(s, percentiles))
+    return 0

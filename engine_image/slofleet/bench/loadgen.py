@@ -1,0 +1,92 @@
+"""Streaming request driver of `slofleet bench` and the load and soak scripts (benchmarks/): one request, its TTFT,
+TPOT, inter-token latencies and E2E, against any OpenAI-compatible server (chat or completions)."""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+WORDS = ("the a river of engine quiet garden window market theory planet music letter forest winter machine "
+         "story bridge lantern harbor circuit memory ocean desert village candle rhythm").split()
+
+
+def words(n: int, rng: random.Random) -> str:
+    """n words drawn from WORDS: common enough that most tokenizers make about one token of each."""
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@dataclass
+class Result:
+    bucket: str
+    status: int
+    ttft: float | None = None
+    tpot: float | None = None
+    tokens: int = 0  # generated: the server's usage when it reports one, else the chunks with text
+    error: str = ""
+    e2e: float | None = None
+    itls: list[float] = field(default_factory=list)  # seconds between consecutive chunks with text
+    prompt_tokens: int = 0  # the server's usage, when it reports one
+    start: float = 0.0  # when it was sent, in seconds from the caller's origin (time.perf_counter() by default)
+
+
+@dataclass
+class Bucket:
+    name: str
+    words: tuple[int, int]  # prompt length range, in words
+    max_tokens: int
+    ttft_slo: float
+    tpot_slo: float
+    share: float
+
+    def body(self, model: str, rng: random.Random) -> dict:
+        return {"model": model, "messages": [{"role": "user", "content": "Summarise: " + words(
+                rng.randint(*self.words), rng)}],
+                "max_tokens": self.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict, bucket: str,
+                     cancel_after: int | None = None, send_ignore_eos: bool = True,
+                     path: str = "/v1/chat/completions", headers: dict[str, str] | None = None,
+                     origin: float = 0.0) -> Result:
+    """Send one streaming request (chat, or a completion when `path` is one); stop reading after cancel_after
+    chunks (a disconnect)."""
+    if not send_ignore_eos:
+        body = {k: v for k, v in body.items() if k != "ignore_eos"}
+    t0 = time.perf_counter()
+    times: list[float] = []
+    usage: dict = {}
+    try:
+        async with client.stream("POST", url + path, json=body,
+                                 headers={"x-slofleet-bucket": bucket, **(headers or {})}) as r:
+            if r.status_code != 200:
+                return Result(bucket, r.status_code, error=(await r.aread()).decode()[:200], start=t0 - origin)
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                choice = (chunk.get("choices") or [{}])[0]
+                if choice.get("delta", {}).get("content") or choice.get("text"):
+                    times.append(time.perf_counter())
+                    if cancel_after is not None and len(times) >= cancel_after:
+                        return Result(bucket, 499, tokens=len(times), start=t0 - origin)
+    except httpx.HTTPError as e:
+        return Result(bucket, 0, error=repr(e), start=t0 - origin)
+    end = time.perf_counter()
+    if not times:
+        return Result(bucket, 200, error="no tokens", start=t0 - origin)
+    tokens = usage.get("completion_tokens") or len(times)
+    tpot = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else 0.0
+    return Result(bucket, 200, times[0] - t0, tpot, tokens, e2e=end - t0,
+                  itls=[b - a for a, b in zip(times, times[1:])], prompt_tokens=usage.get("prompt_tokens", 0),
+                  start=t0 - origin)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
