@@ -93,13 +93,15 @@ def versions() -> str:
             pass
     flags = open("/proc/cpuinfo").read()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    return f"python {platform.python_version()}; {'; '.join(found)}; cpu flags: {' '.join(isa)}; threads {torch.get_num_threads()}"
+    return (f"python {platform.python_version()}; {'; '.join(found)}; cpu flags: {' '.join(isa)}; "
+            f"threads {torch.get_num_threads()}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--skip", nargs="*", default=[], help="systems to skip: generate, generate_batch, fp32, bf16, llama.cpp")
+    ap.add_argument("--skip", nargs="*", default=[],
+                    help="systems to skip: generate, generate_batch, fp32, bf16, llama.cpp")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
