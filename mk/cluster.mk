@@ -21,6 +21,8 @@ cluster-urls:
 	@kubectl --kubeconfig $(CLUSTER_DIR)/kubeconfig get services -A \
 	  -o custom-columns='NAMESPACE:.metadata.namespace,SERVICE:.metadata.name,LOCAL-URL:.metadata.annotations.slofleet\.dev/local-url'
 
-# Regenerate crds/*.yaml (and its copies in the chart and manifests/) from the models in crds/slofleet/api.
+# Regenerate crds/*.yaml (and its copies in the chart and manifests/) from the models in crds/slofleet/api, and
+# the Grafana dashboard (charts/slofleet/dashboards/, manifests/dashboards/) from crds/slofleet/api/dashboard.py.
 crds: install
 	$(PY) -m slofleet.api.crd
+	$(PY) -m slofleet.api.dashboard
