@@ -52,7 +52,10 @@ def items_of(args: argparse.Namespace) -> list[workload.Item]:
     if args.trace == "synthetic":
         if args.request_rate is None:
             raise SystemExit("slofleet bench: the synthetic mix needs --request-rate")
-        items = workload.synthetic(args.request_rate, args.num_prompts, duration, args.seed)
+        try:
+            items = workload.synthetic(args.request_rate, args.num_prompts, duration, args.seed)
+        except ValueError as e:
+            raise SystemExit(f"slofleet bench: {e}") from None
     else:
         items = workload.replay(args.trace, args.request_rate, args.num_prompts, duration, args.seed)
     workload.clip(items, args.max_prompt_tokens, args.max_output_tokens)
@@ -95,9 +98,12 @@ async def drive(args: argparse.Namespace, model: str, items: list[workload.Item]
 def first_model(url: str, headers: dict[str, str]) -> str:
     import httpx
 
-    r = httpx.get(url + "/v1/models", headers=headers, timeout=30)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    try:
+        r = httpx.get(url + "/v1/models", headers=headers, timeout=30)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise SystemExit(f"slofleet bench: no model listed at {url}/v1/models ({e!r}); pass --model") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,4 +131,4 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         report.plot(results, s, args.png)
     print(json.dumps(s, indent=1) if args.json else report.table(s, percentiles))
-    return 0
+    return 0 if s["completed"] else 1  # nothing answered: a script should not read figures

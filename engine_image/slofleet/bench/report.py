@@ -106,6 +106,7 @@ def table(s: dict, percentiles: list[float]) -> str:
             slo = ", ".join(f"{k[:-3].upper()} <= {v:g} ms" for k, v in row["slo"].items() if k != "percentile" and v)
             verdict = "met" if row["met"] else "missed"
             lines.append(f"SLO {name}: p{row['slo']['percentile']:g} {slo}: {verdict}")
+    lines += [f"error: {e}" for e in s.get("errors", [])[:3]]
     return "\n".join(lines)
 
 
