@@ -105,6 +105,9 @@ def test_chart_ships_the_dashboard_and_optional_rules(helm):
     assert (REPO / "manifests" / "dashboards" / "slofleet.json").read_text() == dashboard.render()
     manifest = yaml.safe_load((REPO / "manifests" / "prometheusrule.yaml").read_text())
     assert manifest["spec"] == rules["spec"] and manifest["metadata"]["name"] == rules["metadata"]["name"]
+    bare = subprocess.run([helm, "template", "x", str(CHART), *RULES_ON, "--set-json",
+                           "monitoring.prometheusRule.buckets=[]"], capture_output=True, text=True)
+    assert bare.returncode and "no bucket has an slo" in bare.stderr  # rules with nothing to judge: a mistake
     kustomization = yaml.safe_load((REPO / "manifests" / "kustomization.yaml").read_text())
     assert kustomization["configMapGenerator"][0]["options"]["labels"]["grafana_dashboard"] == "1"
 
