@@ -6,17 +6,15 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 import yaml
 
 from slofleet.api.contract import BUCKET_HEADER
 from tests.support import ROOT
-from tests.support.server import free_port
+from tests.support.server import serve_in_thread
 
 MODEL = "SmolLM2-135M-Instruct"
 HEALTHY = {"name": "chat", "slo": {"percentile": 90, "ttftMs": 60000, "tpotMs": 10000, "e2eMs": 120000}}
@@ -61,15 +59,8 @@ class SlowRelay:
 
     def __init__(self, upstream: str, delay: float):
         self.upstream, self.delay = upstream, delay
-        self.url = f"http://127.0.0.1:{free_port()}"
         self.client: httpx.AsyncClient | None = None  # opened in the server's own event loop
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=int(self.url.rsplit(":", 1)[1]), log_level="error",
-                                interface="asgi3", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
+        self.server, self.thread, self.url = serve_in_thread(self.app)
 
     async def app(self, scope, receive, send) -> None:
         if scope["type"] != "http":

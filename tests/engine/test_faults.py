@@ -84,24 +84,17 @@ def test_bucket_labels_stay_bounded():
 @pytest.mark.slow
 def test_a_dead_engine_loop_fails_probes_and_requests_and_exits():
     """The server in-process (uvicorn in a thread) so a fault can be injected into its engine loop."""
-    import asyncio
-    import threading
     import time
 
     import httpx
-    import uvicorn
 
     from slofleet.engine.config import EngineConfig
     from slofleet.engine.server.api import build_app
-    from slofleet.engine.server.settings import ServerSettings
-    from tests.support.server import free_port
+    from tests.support.server import serve_in_thread
 
-    port = free_port()
-    app = build_app(EngineConfig(dtype="float32", num_blocks=64), ServerSettings(port=port))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    url, state = f"http://127.0.0.1:{port}", app.state.slofleet
+    app = build_app(EngineConfig(dtype="float32", num_blocks=64))
+    server, thread, url = serve_in_thread(app)
+    state = app.state.slofleet
     try:
         deadline = time.monotonic() + 120
         while not state.ready and time.monotonic() < deadline:

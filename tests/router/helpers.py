@@ -7,15 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 from tests.support import ROOT
-from tests.support.server import free_port, wait_http
+from tests.support.server import free_port, serve_in_thread, wait_http
 
 
 class RouterProc:
@@ -68,14 +65,8 @@ class StandIn:
         self.probe_delay = 0.0  # seconds /ready takes to answer: a busy engine
         self.received: list[dict] = []
         self.aborted = 0
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error",
-                                                    interface="asgi3", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
+        self.server, self.thread, self.url = serve_in_thread(self.app, port)
+        self.port = int(self.url.rsplit(":", 1)[1])
 
     async def app(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -85,6 +76,9 @@ class StandIn:
             models = {"data": [{"id": "m", "object": "model", "max_model_len": self.max_model_len}]}
             await send({"type": "http.response.start", "status": 200 if self.max_model_len else 404, "headers": []})
             return await send({"type": "http.response.body", "body": json.dumps(models).encode()})
+        if path.startswith("/debug/"):  # it keeps no traces
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            return await send({"type": "http.response.body", "body": b"{}"})
         if path in ("/ready", "/health", "/metrics"):
             if path == "/ready" and self.probe_delay:
                 await asyncio.sleep(self.probe_delay)
@@ -98,7 +92,8 @@ class StandIn:
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         request = json.loads(raw)
         seen = {"priority": request.get("priority"), "bucket": headers.get("x-slofleet-bucket"),
-                "authorization": headers.get("authorization"), "port": self.port}
+                "authorization": headers.get("authorization"), "port": self.port,
+                "traceparent": headers.get("traceparent"), "request_id": headers.get("x-request-id")}
         self.received.append(seen)
         await send({"type": "http.response.start", "status": self.status,
                     "headers": [(b"content-type", b"text/event-stream")]})

@@ -7,11 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import uvicorn
 
 from slofleet.api.contract import INTERNAL_TOKEN_ENV
 from tests.support import ROOT
@@ -88,3 +90,15 @@ def prefill_decode_pair(folder: Path, *flags: str) -> Iterator[tuple[Server, Ser
     finally:
         pre.stop()
         dec.stop()
+
+
+def serve_in_thread(app, port: int | None = None) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """An ASGI app (a test stand-in, or the engine's own app) served by uvicorn in a daemon thread of this process,
+    on loopback; returns once it listens. Stop it with `server.should_exit = True`, then join the thread."""
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", interface="asgi3"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}"
