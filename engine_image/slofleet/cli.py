@@ -15,6 +15,7 @@ COMMANDS = {
     "router": ("slofleet.router.cli", "run the bucket/priority-aware router in front of engines"),
     "bench": ("slofleet.bench.cli", "replay a trace or a synthetic mix against an OpenAI-compatible URL, open-loop; "
               "per-bucket latency percentiles, attainment and goodput"),
+    "trace": ("slofleet.tracing.waterfall", "print one request's trace as a waterfall (from a router or an engine)"),
     "diagnose": ("slofleet.autoscaler.diagnose_cli", "say which clock, bucket and phase misses its SLO, from metrics"),
 }
 

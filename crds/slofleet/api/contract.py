@@ -24,6 +24,11 @@ REPLICA_HEADER = "x-slofleet-replica"  # router -> client (debugging): which rep
 INTERNAL_TOKEN_ENV = "SLOFLEET_INTERNAL_TOKEN"
 INTERNAL_TOKEN_KEY = "token"  # the key of that Secret's data
 KV_MAC_HEADER = "x-slofleet-kv-mac"  # prefill engine -> decode engine: HMAC-SHA256 of the KV payload by the token
+# Tracing: every response carries REQUEST_ID_HEADER (a client's own, when well-formed, else a new one), passed on
+# router -> engine -> prefill peer with the W3C trace context (traceparent, tracestate: OpenTelemetry's propagator);
+# an engine's answer names its KV hand-off time in SERVER_TIMING_HEADER (`kv_handoff;dur=MS`) for the router's metrics.
+REQUEST_ID_HEADER = "x-request-id"
+SERVER_TIMING_HEADER = "server-timing"
 
 # -- labels and annotations ----------------------------------------------------------------------------------
 SERVICE_LABEL = "slofleet.dev/service"  # on every child of an LLMService: its name

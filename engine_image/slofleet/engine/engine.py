@@ -242,6 +242,7 @@ class LLMEngine:
             return outputs
         batch = [(req, n, self.kv.block_table(req.request_id)) for req, n in sched.scheduled]
         logits = self.runner.execute(batch)
+        t_forward = time.monotonic()
         st = self.step_stats
         st.steps += 1
         st.tokens_scheduled += sched.num_tokens
@@ -250,6 +251,8 @@ class LLMEngine:
             prompt = max(0, min(req.num_prompt_tokens, req.num_computed_tokens + n) - req.num_computed_tokens)
             st.prompt_tokens_computed += prompt
             req.num_prompt_computed += prompt
+            if prompt:
+                req.record(Event.PREFILL_CHUNK, t_forward)
             req.num_computed_tokens += n
         # A request samples once all its tokens are computed; a partial prefill chunk does not.
         rows = [i for i, (req, _) in enumerate(sched.scheduled) if req.num_computed_tokens >= req.num_tokens]

@@ -23,6 +23,7 @@ class Event(enum.Enum):
     ARRIVED = "arrived"
     QUEUED = "queued"
     SCHEDULED = "scheduled"
+    PREFILL_CHUNK = "prefill_chunk"  # a step computed part of the prompt (recorded when its forward pass ended)
     FIRST_TOKEN = "first_token"
     PREEMPTED = "preempted"
     FINISHED = "finished"

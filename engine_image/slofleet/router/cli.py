@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds after SIGTERM that /ready and new requests answer 503 before the listener "
                              "closes, so load balancers stop sending first")
     parser.add_argument("--replica-header", action="store_true", help=f"answer with {REPLICA_HEADER}")
+    parser.add_argument("--otlp-traces-endpoint", default=Cfg.otlp_traces_endpoint, metavar="URL",
+                        help="send request traces by OTLP/HTTP to this URL (http://collector:4318 gets /v1/traces); "
+                             "the last traces are kept in memory either way, at GET /debug/traces")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -110,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
                        affinity_chars=args.affinity_chars, replica_header=args.replica_header,
                        prefill_threshold_tokens=args.prefill_threshold_tokens, hold_timeout=args.hold_timeout_seconds,
                        ttfb_timeout=args.upstream_ttfb_timeout, idle_timeout=args.upstream_idle_timeout,
-                       body_timeout=args.body_timeout, max_model_len=args.max_model_len)
+                       body_timeout=args.body_timeout, max_model_len=args.max_model_len,
+                       otlp_traces_endpoint=args.otlp_traces_endpoint)
     try:
         keys = KeyStore(args.api_keys_file, args.api_keys_env, args.rpm, args.tpm)
     except (OSError, ValueError) as e:

@@ -1,10 +1,24 @@
-"""The router's own Prometheus metrics, per bucket: what was admitted, shed and why, time to first byte."""
+"""The router's own Prometheus metrics, per bucket: what was admitted, shed and why, time to first byte, and the
+router's own time by phase (what "outside the model" is made of)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from slofleet.api.contract import ROUTER_HELD
 
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                 10.0, 30.0, 80.0)
+PHASES = {  # the phase label's values
+    "gateway": "arrival to authenticated, body read and validated, quota charged",
+    "classify": "bucket classification and admission",
+    "hold": "waiting for a ready replica (scale from zero; only requests that waited)",
+    "choose": "replica choice, prefill replica included, over all tries (holding excluded)",
+    "retry": "tries that failed before the one that answered (only retried requests)",
+    "upstream": "the answering try, request sent to its first byte (the engine's queue and prefill, the network)",
+    "handoff": "the decode engine fetching the prompt's KV from the prefill engine (its Server-Timing)",
+    "own": "the router's own share of the time to first byte: all of it but the answering try's wait",
+    "stream": "first byte to last byte relayed (decode, and the client's reading)",
+}
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -32,5 +46,8 @@ class RouterMetrics:
                                  ["bucket", "route"], registry=r)
         self.cut = Counter("slofleet:router_streams_cut", "Responses cut after their first byte, by reason "
                            "(replica_failed, idle_timeout, shutdown).", ["bucket", "reason"], registry=r)
+        self.phase = Histogram("slofleet:router_phase_seconds", "Time a request spends in each router phase: "
+                               + "; ".join(f"{k}: {v}" for k, v in PHASES.items()) + ".", ["bucket", "phase"],
+                               buckets=PHASE_BUCKETS, registry=r)
         self.held = Gauge(ROUTER_HELD, "Requests waiting for a serving replica to become ready "
                           "(the autoscaler's signal to scale up from zero).", ["bucket"], registry=r)

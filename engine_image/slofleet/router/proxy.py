@@ -32,10 +32,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from slofleet.api import v1alpha1 as api
-from slofleet.api.contract import BUCKET_HEADER
+from slofleet.api.contract import BUCKET_HEADER, REQUEST_ID_HEADER, ROUTER
+from slofleet.tracing.core import RequestTrace, Tracing, request_id_of, with_request_id
 
 from .balancer import Balancer, prefix_key
 from .buckets import Admission, Bucket, Classifier
+from .debug import debug_traces
 from .gateway import GatewayError, KeyStore, Quotas
 from .metrics import RouterMetrics
 from .replicas import ReplicaSet
@@ -43,7 +45,6 @@ from .upstream import GENERATE, RETRYABLE, SERVING, Upstream
 from .wire import RoutedBody, error_body, headers_of, internal_auth, invalid, respond, until_disconnect
 
 log = logging.getLogger("slofleet.router")
-FORWARD_HEADERS = ("x-request-id", "traceparent", "tracestate")
 COMPLETIONS_MAX_TOKENS = 16  # what /v1/completions generates without max_tokens (OpenAI's default, the engine's)
 
 
@@ -66,6 +67,7 @@ class RouterConfig:
     hold_timeout: float = api.Router.model_fields["hold_timeout_seconds"].default  # waiting for a ready replica
     # the engines' context length until one lists its own in /v1/models (the operator passes the resource's)
     max_model_len: int = api.Engine.model_fields["max_model_len"].default
+    otlp_traces_endpoint: str = ""  # OTLP/HTTP collector for the router's spans (kept in memory either way)
 
 
 class Router:
@@ -74,6 +76,7 @@ class Router:
         self.cfg, self.replicas, self.classifier = cfg, replicas, classifier
         self.keys, self.quotas, self.balancer = keys, quotas, balancer
         self.metrics = RouterMetrics()
+        self.tracing = Tracing("router", ROUTER, otlp_endpoint=cfg.otlp_traces_endpoint)
         self.upstream = Upstream(cfg, replicas, balancer, classifier, self.metrics)
         self.inflight = 0
         self.session: aiohttp.ClientSession | None = None
@@ -88,9 +91,10 @@ class Router:
             return await self.lifespan(receive, send)
         if scope["type"] != "http":
             return
-        path, method = scope["path"], scope["method"]
+        path, method, rid = scope["path"], scope["method"], request_id_of(scope)
+        send = with_request_id(send, rid)
         if method == "POST" and path in GENERATE:
-            return await self.generate(scope, receive, send)
+            return await self.generate(scope, receive, send, rid)
         if method == "GET" and path == "/health":
             return await respond(send, 200, b"ok", b"text/plain")
         if method == "GET" and path == "/ready":
@@ -103,6 +107,8 @@ class Router:
             return await respond(send, 200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST.encode())
         if method == "GET" and path == "/v1/models":
             return await self.models(scope, send)
+        if method == "GET" and (path == "/debug/traces" or path.startswith("/debug/traces/")):
+            return await debug_traces(self, scope, send)
         await respond(send, 404, error_body(404, f"no route {method} {path}", "not_found_error"))
 
     @property
@@ -128,6 +134,7 @@ class Router:
                 for t in self.tasks:
                     t.cancel()
                 await self.session.close()
+                self.tracing.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -174,8 +181,17 @@ class Router:
             requested = COMPLETIONS_MAX_TOKENS if path == GENERATE[0] else room
         return min(requested, room)
 
-    async def generate(self, scope, receive, send) -> None:
-        t0, path, headers = time.perf_counter(), scope["path"], headers_of(scope)
+    async def generate(self, scope, receive, send, rid: str) -> None:
+        headers, status = headers_of(scope), None
+        rt = self.tracing.begin("POST", scope["path"], headers, rid)
+        try:
+            status = await self.serve(scope, receive, send, headers, rt)
+        finally:
+            rt.end(status)
+
+    async def serve(self, scope, receive, send, headers: dict[str, str], rt: RequestTrace) -> int | None:
+        """One generation request through the gateway, classification and the upstream: the status answered."""
+        t0, path = time.perf_counter(), scope["path"]
         bucket: Bucket | None = None
         if self.draining:
             return await self.reject(send, None, "draining", 503, "the router is shutting down; retry the request",
@@ -196,11 +212,13 @@ class Router:
                                    "invalid_request_error")
             if quota is not None:
                 self.quotas.charge(quota, tokens, self.output_bound(path, tokens, body.output_tokens()))
+            t_gateway = time.time_ns()
             bucket = self.classifier.classify(tokens, body.output_tokens(), headers, path)
             # With none ready, one replica's worth is admitted and held for the first to come up.
             ready = len(self.replicas.ready(SERVING)) or (1 if self.cfg.hold_timeout > 0 else 0)
             capacity = self.cfg.capacity_per_replica * ready
             ticket = self.classifier.admit(bucket, tokens, self.inflight, capacity)
+            t_classify = time.time_ns()
         except GatewayError as e:
             reason = {401: "auth", 408: "slow_client", 413: "size"}.get(e.status, "quota")
             return await self.reject(send, bucket, reason, e.status, e.message, e.kind, e.retry_after)
@@ -214,14 +232,19 @@ class Router:
                                      "invalid_request_error")
         except asyncio.CancelledError:
             return  # the client left while sending its body
+        rt.span("gateway", rt.start_ns, t_gateway, prompt_tokens=tokens)
+        rt.span("classify", t_gateway, t_classify, bucket=bucket.name, priority=bucket.priority)
+        self.metrics.phase.labels(bucket.name, "gateway").observe((t_gateway - rt.start_ns) / 1e9)
+        self.metrics.phase.labels(bucket.name, "classify").observe((t_classify - t_gateway) / 1e9)
         data["priority"] = bucket.priority  # the bucket's priority, never the client's own claim
+        # the trace context goes per try (each its own span); the request id is the one the client was answered with
         upstream_headers = {"content-type": "application/json", BUCKET_HEADER: bucket.name,
-                            **{h: headers[h] for h in FORWARD_HEADERS if h in headers}}
+                            REQUEST_ID_HEADER: rt.request_id}
         key = prefix_key(text, self.cfg.affinity_chars)
         self.inflight += 1
         self.metrics.inflight.labels(bucket.name).inc()
         work = asyncio.ensure_future(self.upstream.forward(send, path, json.dumps(data).encode(), upstream_headers,
-                                                           key, ticket, t0, tokens))
+                                                           key, ticket, t0, tokens, rt))
         watch = asyncio.ensure_future(until_disconnect(receive))
         try:
             await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -233,11 +256,13 @@ class Router:
             self.classifier.release(ticket)
             self.inflight -= 1
             self.metrics.inflight.labels(bucket.name).dec()
+        return None if work.cancelled() or work.exception() else work.result()
 
     async def reject(self, send, bucket: Bucket | None, reason: str, status: int, message: str, kind: str,
-                     retry_after: int | None = None) -> None:
+                     retry_after: int | None = None) -> int:
         name = bucket.name if bucket else "-"
         self.metrics.rejected.labels(name, reason).inc()
         self.metrics.requests.labels(name, str(status)).inc()
         extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
         await respond(send, status, error_body(status, message, kind), headers=extra)
+        return status

@@ -11,11 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 
 import aiohttp
 
-from slofleet.api.contract import BUCKET_HEADER, DECODE, PREFILL, PREFILL_HEADER, REPLICA_HEADER, UNIFIED
+from slofleet.api.contract import (
+    BUCKET_HEADER,
+    DECODE,
+    PREFILL,
+    PREFILL_HEADER,
+    REPLICA_HEADER,
+    SERVER_TIMING_HEADER,
+    UNIFIED,
+)
+from slofleet.tracing.core import CLIENT, RequestTrace, attributes
 
 from .balancer import Balancer
 from .buckets import Classifier, Ticket
@@ -28,6 +38,7 @@ GENERATE = ("/v1/completions", "/v1/chat/completions")
 PASS_HEADERS = (b"content-type", b"content-length", b"retry-after")
 RETRYABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 SERVING = (UNIFIED, DECODE)  # roles that run whole requests; a prefill replica only ever prefills
+HANDOFF_TIMING = re.compile(r"kv_handoff;dur=([0-9.]+)")  # a decode engine's Server-Timing entry, in ms
 
 
 class Upstream:
@@ -71,25 +82,34 @@ class Upstream:
             resp.close()
             raise
 
-    async def open(self, path: str, payload: bytes, headers: dict, key: int | None, ticket: Ticket, tokens: int):
+    async def open(self, path: str, payload: bytes, headers: dict, key: int | None, ticket: Ticket, tokens: int,
+                   rt: RequestTrace):
         """Open the request on some replica and read its first chunk, trying others on failure. Returns
-        (replica, response, first chunk), or (None, status, error body) when every try failed."""
+        (replica, response, first chunk, the try's span, its wait for the first chunk in s), or (None, status,
+        error body, None, 0) when every try failed. Each try is a CLIENT span whose context the engine continues."""
         tried: set[str] = set()
         bad_prefill: set[str] = set()
         last: tuple[int, bytes] = (503, error_body(503, "no ready replica to serve this request", "unavailable"))
         name = ticket.bucket.name
         long_prompt = tokens >= self.cfg.prefill_threshold_tokens
-        hold_until, deadline = time.monotonic() + self.cfg.hold_timeout, None
+        hold_until, deadline, first_try = time.monotonic() + self.cfg.hold_timeout, None, None
         for attempt in range(self.cfg.max_attempts):
+            choose, held = rt.span("choose", attempt=attempt), 0
             replica = self.balancer.choose(self.replicas.ready(SERVING), key, tried)
             if replica is None and not tried and not self.replicas.ready(SERVING):
-                if await self.hold(name, hold_until):
+                h0 = time.time_ns()
+                ready = await self.hold(name, hold_until)
+                held = time.time_ns() - h0
+                rt.span("hold", h0, h0 + held, parent=choose, ready=ready)
+                self.metrics.phase.labels(name, "hold").observe(held / 1e9)
+                if ready:
                     replica = self.balancer.choose(self.replicas.ready(SERVING), key, tried)
                 else:
                     last = (503, error_body(503, f"no ready replica of role {' or '.join(SERVING)} came up within "
                                                  f"{self.cfg.hold_timeout:g} s; the fleet may be scaled to zero "
                                                  "or failing", "unavailable"))
             if replica is None:
+                choose.end()
                 break
             if attempt:
                 self.metrics.retries.labels(name).inc()
@@ -100,12 +120,18 @@ class Upstream:
                 prefill = self.balancer.choose(self.replicas.ready((PREFILL,)), key, bad_prefill)
             how = "least-load" if key is None and self.balancer.policy == "prefix" else self.balancer.policy
             self.metrics.routed.labels(name, how).inc()
+            choose.set_attributes(attributes({"how": how}))
+            choose.end()
+            self.metrics.phase.labels(name, "choose").observe((choose.end_time - choose.start_time - held) / 1e9)
+            span = rt.span("upstream", kind=CLIENT, attempt=attempt, replica=replica.url,
+                           prefill_replica=prefill.url if prefill else None)
+            first_try = first_try or span.start_time
             replica.inflight += 1
-            send_headers = headers
+            send_headers = {**headers, **rt.headers(span)}
             if prefill is not None:
                 prefill.inflight += 1
-                send_headers = {**headers, PREFILL_HEADER: prefill.url}
-            resp = None
+                send_headers[PREFILL_HEADER] = prefill.url
+            resp, outcome = None, "ok"
             try:
                 resp, first = await asyncio.wait_for(self.first_chunk(replica.url, path, payload, send_headers),
                                                      deadline - time.monotonic())
@@ -114,52 +140,72 @@ class Upstream:
                     # again with another prefill replica, or prefills itself
                     bad_prefill.add(prefill.url)
                     tried.discard(replica.url)
+                    outcome = "prefill_failed"
                     if resp.status == 502:
                         self.replicas.mark_failed(prefill, "failed for a decode replica")
                     raise LookupError
                 if resp.status in (429, 503):  # full or draining: another replica may take it
-                    last = (resp.status, first)
+                    last, outcome = (resp.status, first), f"refused_{resp.status}"
                     if resp.status == 503:
                         self.replicas.mark_failed(replica, "answered 503")
                     raise LookupError
                 route = "disaggregated" if prefill is not None else "fallback" if long_prompt else "direct"
                 self.metrics.pd_routes.labels(name, route).inc()
-                return replica, resp, first
+                self.observe_try(name, span, first_try, resp)
+                span.set_attributes(attributes({"route": route, "status": resp.status}))
+                return replica, resp, first, span, (time.time_ns() - span.start_time) / 1e9
             except aiohttp.ClientError as e:  # its connect timeout too: a dead replica, not a slow one
+                outcome = "failed"
                 self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
                 last = (502, error_body(502, f"replica failed before answering: {type(e).__name__}", "bad_gateway"))
             except asyncio.TimeoutError:  # busy, maybe not dead: it stays in rotation, the budget is spent
+                outcome = "timeout"
                 last = (504, error_body(504, f"no replica started answering within {self.cfg.ttfb_timeout:g} s",
                                         "gateway_timeout"))
                 break
             except OSError as e:
+                outcome = "failed"
                 self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
                 last = (502, error_body(502, f"replica failed before answering: {type(e).__name__}", "bad_gateway"))
             except LookupError:
                 pass
             except BaseException:
                 replica.inflight -= 1
+                span.end()
                 if resp is not None:
                     resp.close()
                 raise
             finally:
                 if prefill is not None:
                     prefill.inflight -= 1
+            span.set_attributes(attributes({"outcome": outcome}))
+            span.end()
             replica.inflight -= 1
             if resp is not None:
                 resp.close()
-        return None, last[0], last[1]
+        return None, last[0], last[1], None, 0.0
+
+    def observe_try(self, bucket: str, span, first_try: int, resp) -> None:
+        """The answering try's phases: the tries lost before it, and the decode engine's KV hand-off."""
+        if span.start_time > first_try:
+            self.metrics.phase.labels(bucket, "retry").observe((span.start_time - first_try) / 1e9)
+        handoff = HANDOFF_TIMING.search(resp.headers.get(SERVER_TIMING_HEADER, ""))
+        if handoff:
+            self.metrics.phase.labels(bucket, "handoff").observe(float(handoff.group(1)) / 1e3)
 
     async def forward(self, send, path: str, payload: bytes, headers: dict, key: int | None, ticket: Ticket,
-                      t0: float, tokens: int) -> None:
+                      t0: float, tokens: int, rt: RequestTrace) -> int:
+        """Relay the answer; the status sent."""
         name = ticket.bucket.name
-        replica, resp, first = await self.open(path, payload, headers, key, ticket, tokens)
+        replica, resp, first, span, waited = await self.open(path, payload, headers, key, ticket, tokens, rt)
         self.classifier.release(ticket)  # no longer waiting: the engine has started on it
         if replica is None:
             self.metrics.requests.labels(name, str(resp)).inc()
             self.metrics.rejected.labels(name, "timeout" if resp == 504 else "no_replica").inc()
-            return await respond(send, resp, first, headers=[(b"retry-after", b"1")] if resp in (429, 503) else [])
-        done, last, cut = False, first, None
+            await respond(send, resp, first, headers=[(b"retry-after", b"1")] if resp in (429, 503) else [])
+            return resp
+        self.metrics.phase.labels(name, "upstream").observe(waited)
+        done, last, cut, chunks, t_first = False, first, None, 1, None
         try:
             out = [(k, v) for k, v in resp.raw_headers if k.lower() in PASS_HEADERS]
             out.append((BUCKET_HEADER.encode(), name.encode()))
@@ -167,7 +213,9 @@ class Upstream:
                 out.append((REPLICA_HEADER.encode(), replica.url.encode()))
             await send({"type": "http.response.start", "status": resp.status, "headers": out})
             await send({"type": "http.response.body", "body": first, "more_body": True})
-            self.metrics.ttfb.labels(name).observe(time.perf_counter() - t0)
+            t_first, ttfb = time.time_ns(), time.perf_counter() - t0
+            self.metrics.ttfb.labels(name).observe(ttfb)
+            self.metrics.phase.labels(name, "own").observe(max(0.0, ttfb - waited))
             self.metrics.requests.labels(name, str(resp.status)).inc()
             if resp.connection is not None:  # None once the whole answer is in
                 # aiohttp's own read timer, re-armed on every byte received: no timer per chunk here
@@ -175,7 +223,7 @@ class Upstream:
                 resp.connection.protocol.start_timeout()
             async for chunk in resp.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                last = chunk
+                last, chunks = chunk, chunks + 1
             await send({"type": "http.response.body", "body": b""})
             done = True
         except asyncio.TimeoutError:  # aiohttp's read timer: the replica went quiet (it stays in rotation)
@@ -192,6 +240,12 @@ class Upstream:
             resp.release() if done else resp.close()
             if cut is not None:
                 await self.end_cut_stream(send, resp, name, last, replica.url, *cut)
+            if t_first is not None:
+                end = time.time_ns()
+                rt.span("stream", t_first, end, chunks=chunks, cut=cut and cut[0])
+                self.metrics.phase.labels(name, "stream").observe((end - t_first) / 1e9)
+            span.end()
+        return resp.status
 
     async def end_cut_stream(self, send, resp, bucket: str, last: bytes, url: str, reason: str, status: int,
                              message: str, kind: str) -> None:

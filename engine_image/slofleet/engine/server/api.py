@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -22,6 +21,7 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slofleet.api.contract import BUCKET_HEADER, KV_MAC_HEADER, PREFILL_HEADER
+from slofleet.tracing.core import Tracing
 
 from ..config import EngineConfig
 from ..engine import LLMEngine, RequestOutput
@@ -37,6 +37,7 @@ from .metrics import Metrics
 from .openai_format import chat_handlers, completion_handlers
 from .protocol import ChatCompletionRequest, CompletionRequest, PrefillRequest, SamplingFields
 from .settings import ServerSettings
+from .tracing import Traced, add_debug_routes, handoff_span
 
 log = logging.getLogger("slofleet.engine.api")
 FATAL_EXIT_DELAY = 1.0  # seconds for open requests to receive their error before the process exits
@@ -145,12 +146,13 @@ async def start(request: Request, body: SamplingFields, prompt: Callable[[LLMEng
         if request.headers.get(PREFILL_HEADER):
             kv = await handoff(request, engine, engine.tokenize(ids_or_text), sampling)
         req, queue = state.async_engine.add(ids_or_text, sampling, rid, body.priority, bucket_of(request), kv=kv)
+        request.state.engine_request = req  # for its trace
     except AdmissionError as e:
         state.metrics.refused(bucket_of(request))
         raise from_engine(e) from None
     except (InvalidRequest, UpstreamError) as e:
         raise from_engine(e) from None
-    return engine, req, results(state, rid, queue)
+    return engine, req, results(state, req.request_id, queue)
 
 
 async def handoff(request: Request, engine: LLMEngine, ids: list[int], sampling: SamplingParams) -> KVPayload:
@@ -158,7 +160,8 @@ async def handoff(request: Request, engine: LLMEngine, ids: list[int], sampling:
     if not request.state.internal:
         raise ApiError(403, f"{PREFILL_HEADER} is honoured only with the service's internal token (the router's)")
     base = peer_base(request.headers[PREFILL_HEADER], allow_loopback=is_loopback(settings.host))
-    return await fetch_kv(base, ids, sampling, settings.internal_token, engine.kv_payload_bytes(len(ids)))
+    with handoff_span(request.state, base) as headers:
+        return await fetch_kv(base, ids, sampling, settings.internal_token, engine.kv_payload_bytes(len(ids)), headers)
 
 
 def bucket_of(request: Request) -> str:
@@ -227,13 +230,14 @@ async def kv_prefill(request: Request) -> Response:
     rid = request.state.request_id
     try:
         params = SamplingParams(**body.sampling)
-        _, queue = state.async_engine.add(body.prompt_token_ids, params, rid, None, bucket_of(request),
-                                          export_kv=True)
+        req, queue = state.async_engine.add(body.prompt_token_ids, params, rid, None, bucket_of(request),
+                                            export_kv=True)
+        request.state.engine_request = req
     except TypeError as e:  # an unknown SamplingParams field
         raise ApiError(400, f"sampling: {e}") from None
     except (InvalidRequest, AdmissionError, UpstreamError) as e:
         raise from_engine(e) from None
-    outs = [out async for out in results(state, rid, queue)]
+    outs = [out async for out in results(state, req.request_id, queue)]
     if outs[-1].kv is None:
         raise ApiError(500, f"prefill ended without KV ({outs[-1].finish_reason})", "server_error")
     data, token = outs[-1].kv.to_bytes(), state.settings.internal_token
@@ -248,8 +252,9 @@ def bearer_is(request: Request, key: str) -> bool:
 
 
 class Guard:
-    """Request ids, the API key, and the last line of defence: an unexpected error fails this request only, with
-    an id the log line carries too. Plain ASGI, so handlers still see the client's disconnect."""
+    """The API key (on /v1/* and /debug/*), and the last line of defence: an unexpected error fails this request
+    only, with its request id (Traced's), which the log line carries too. Plain ASGI, so handlers still see the
+    client's disconnect."""
 
     def __init__(self, app, settings: ServerSettings):
         self.app, self.settings = app, settings
@@ -257,11 +262,11 @@ class Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        state = scope.setdefault("state", {})
-        rid = state["request_id"] = uuid.uuid4().hex[:24]
+        state = scope["state"]
+        rid = state["request_id"]  # Traced's, outside this one
         keys, request = [self.settings.api_key, self.settings.internal_token], Request(scope)
         state["internal"] = bearer_is(request, self.settings.internal_token)
-        if any(keys) and scope["path"].startswith("/v1/") and not any(bearer_is(request, k) for k in keys):
+        if any(keys) and scope["path"].startswith(("/v1/", "/debug/")) and not any(bearer_is(request, k) for k in keys):
             err = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
             return await err.response()(scope, receive, send)
         started = False
@@ -283,6 +288,8 @@ class Guard:
 
 def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> FastAPI:
     state = State(config, settings or ServerSettings())
+    s = state.settings
+    tracing = Tracing("engine", config.role, f"{s.host}:{s.port}", s.otlp_traces_endpoint)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -291,16 +298,19 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
         yield
         if state.async_engine is not None:
             state.async_engine.stop()
+        tracing.shutdown()
 
     app = FastAPI(title="slofleet engine", lifespan=lifespan)
     app.state.slofleet = state
     app.state.started_at = time.time()
 
     app.add_middleware(Guard, settings=state.settings)
+    app.add_middleware(Traced, tracing=tracing)  # outermost: every response, a refused one too, has its request id
     app.add_exception_handler(ApiError, lambda _, exc: exc.response())
     for path, handler in (("/health", health), ("/ready", ready), ("/metrics", metrics), ("/v1/models", models)):
         app.add_api_route(path, handler, methods=["GET"])
     for path, handler in (("/v1/completions", completions), ("/v1/chat/completions", chat),
                           ("/v1/kv/prefill", kv_prefill)):
         app.add_api_route(path, handler, methods=["POST"])
+    add_debug_routes(app, tracing)
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 
 from ..engine import LLMEngine, RequestOutput
@@ -21,6 +22,7 @@ class AsyncEngine:
         self.on_output, self.on_step = on_output, on_step
         self.on_fatal = on_fatal  # called once if the loop dies
         self.queues: dict[str, asyncio.Queue] = {}
+        self.live: set[str] = set()  # ids the engine holds until their finishing output (an abort's too)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.wake = threading.Event()
         self.stopping = False
@@ -39,9 +41,12 @@ class AsyncEngine:
     def add(self, prompt: str | list[int] | None, params: SamplingParams, request_id: str, priority: int | None,
             bucket: str, **handoff) -> tuple[Request, asyncio.Queue]:
         """Queue a request (raises the engine's InvalidRequest, AdmissionError or UpstreamError synchronously,
-        before any byte is sent)."""
+        before any byte is sent). A request id still live here (a client's own x-request-id, reused) gets a suffix:
+        the engine's ids must be unique; the returned request has the one used."""
         if self.error is not None:
             raise RuntimeError("the engine loop is dead")
+        if request_id in self.live:
+            request_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         try:
@@ -49,6 +54,7 @@ class AsyncEngine:
         except Exception:
             self.queues.pop(request_id, None)
             raise
+        self.live.add(request_id)
         self.wake.set()
         return req, queue
 
@@ -74,6 +80,8 @@ class AsyncEngine:
                 seen = self.engine.last_step
                 for out in self.engine.step():
                     self.on_output(out)
+                    if out.finished:
+                        self.live.discard(out.request_id)
                     self.loop.call_soon_threadsafe(self._deliver, out)
                 if self.engine.last_step is not seen:
                     self.on_step(self.engine.last_step)

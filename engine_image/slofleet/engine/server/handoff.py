@@ -61,13 +61,15 @@ def peer_message(r: httpx.Response) -> str:
         return f"HTTP {r.status_code}"
 
 
-async def fetch_kv(base: str, ids: list[int], params: SamplingParams, token: str, limit: int) -> KVPayload:
-    """POST the prompt to the peer and read back at most `limit` bytes of KV, authenticated by `token`."""
+async def fetch_kv(base: str, ids: list[int], params: SamplingParams, token: str, limit: int,
+                   headers: dict[str, str]) -> KVPayload:
+    """POST the prompt to the peer and read back at most `limit` bytes of KV, authenticated by `token`; `headers`
+    carry the request's trace context and id."""
     body = {"prompt_token_ids": ids, "sampling": dataclasses.asdict(params)}
     try:
         async with httpx.AsyncClient(timeout=TIMEOUT, follow_redirects=False) as client:
             async with client.stream("POST", base + "/v1/kv/prefill", json=body,
-                                     headers={"authorization": f"Bearer {token}"}) as r:
+                                     headers={**headers, "authorization": f"Bearer {token}"}) as r:
                 data = bytearray()
                 async for chunk in r.aiter_bytes():
                     data += chunk

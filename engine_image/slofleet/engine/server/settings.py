@@ -23,6 +23,9 @@ class ServerSettings:
                 "and only its holders may hand a request's prefill to a peer"})
     price_per_hour: float = field(default=0.0, metadata={
         "help": "what this replica costs per hour, for the cost counters (slofleet:request_cost, replica_cost)"})
+    otlp_traces_endpoint: str = field(default="", metadata={
+        "help": "send request traces by OTLP/HTTP to this URL (http://collector:4318 gets /v1/traces); the last "
+                "traces are kept in memory either way, at GET /debug/traces"})
     max_request_bytes: int = field(default=4 << 20, metadata={
         "help": "largest request body accepted; larger ones get 413 before they are parsed"})
     request_read_timeout: float = field(default=30.0, metadata={

@@ -1,0 +1,215 @@
+"""One trace per request across router and engines: the W3C trace context in and out, OpenTelemetry spans, OTLP
+export when an endpoint is given, and the last traces kept in memory for GET /debug/traces (no collector needed).
+
+Each process has its own TracerProvider (never the global one) and samples every request: an LLM request costs far
+more than its dozen spans, and the store must hold the one slow request someone asks about. A caller's traceparent is
+continued (its trace id kept) whatever its sampled flag says. Spans carry timings, counts, ids and replica
+addresses, never prompt or output text."""
+from __future__ import annotations
+
+import re
+import threading
+import urllib.parse
+import uuid
+from collections import OrderedDict, deque
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from slofleet.api.contract import REQUEST_ID_HEADER
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's own x-request-id must match, else it gets a new one
+REQUEST_ID_ATTR = "slofleet.request_id"
+ROLE_ATTR = "slofleet.role"
+PEER_ATTRS = ("slofleet.replica", "slofleet.prefill_replica")  # the engines a router span sent the request to
+KEEP = 256  # traces kept in memory per process (a few KiB each)
+SPANS_PER_TRACE = 1024
+PROPAGATOR = TraceContextTextMapPropagator()
+CLIENT, INTERNAL = SpanKind.CLIENT, SpanKind.INTERNAL
+
+
+def request_id(given: str | None) -> str:
+    """A caller's own request id when well-formed (it lands in headers, logs and spans: bounded length and
+    charset), else a new one."""
+    return given if given and REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:24]
+
+
+def request_id_of(scope) -> str:
+    raw = next((v for k, v in scope["headers"] if k == REQUEST_ID_HEADER.encode()), None)  # ASGI: lower-case names
+    return request_id(raw.decode("latin-1") if raw else None)
+
+
+def with_request_id(send, rid: str):
+    """An ASGI send that puts x-request-id on the response head."""
+    header = (REQUEST_ID_HEADER.encode(), rid.encode())
+
+    async def sender(message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), header]}
+        await send(message)
+
+    return sender
+
+
+def attributes(kw: dict) -> dict:
+    return {f"slofleet.{k}": v for k, v in kw.items() if v is not None}
+
+
+def traces_url(endpoint: str) -> str:
+    """OTLP/HTTP's traces path when the URL names only a collector (http://collector:4318)."""
+    return endpoint.rstrip("/") + "/v1/traces" if urllib.parse.urlsplit(endpoint).path in ("", "/") else endpoint
+
+
+class RequestTrace:
+    """One request's spans in this process: a SERVER root continuing the caller's trace context, and its children."""
+
+    def __init__(self, tracer: trace.Tracer, method: str, path: str, carrier: dict[str, str], rid: str,
+                 start_ns: int | None, attrs: dict):
+        self.tracer, self.request_id = tracer, rid
+        self.root = tracer.start_span(f"{method} {path}", PROPAGATOR.extract(carrier), SpanKind.SERVER,
+                                      start_time=start_ns, attributes={"http.request.method": method, "url.path": path,
+                                                                       REQUEST_ID_ATTR: rid, **attributes(attrs)})
+        self.context = trace.set_span_in_context(self.root)
+
+    @property
+    def start_ns(self) -> int:
+        return self.root.start_time
+
+    def span(self, name: str, start_ns: int | None = None, end_ns: int | None = None, parent: Span | None = None,
+             kind: SpanKind = INTERNAL, **kw) -> Span:
+        """A child of the root (or of `parent`), ended at end_ns when one is given."""
+        ctx = self.context if parent is None else trace.set_span_in_context(parent)
+        s = self.tracer.start_span(name, ctx, kind, start_time=start_ns, attributes=attributes(kw))
+        if end_ns is not None:
+            s.end(end_time=end_ns)
+        return s
+
+    def headers(self, span: Span | None = None) -> dict[str, str]:
+        """traceparent (and tracestate) naming `span` (default: the root) as the parent of a request it sends."""
+        carrier: dict[str, str] = {}
+        PROPAGATOR.inject(carrier, self.context if span is None else trace.set_span_in_context(span))
+        return carrier
+
+    def end(self, status: int | None, end_ns: int | None = None, **kw) -> None:
+        if status is not None:
+            self.root.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                self.root.set_status(Status(StatusCode.ERROR))
+        self.root.set_attributes(attributes(kw))
+        self.root.end(end_time=end_ns)
+
+
+class Tracing:
+    def __init__(self, component: str, role: str, instance: str = "", otlp_endpoint: str = "", keep: int = KEEP):
+        resource = {"service.name": f"slofleet-{component}", ROLE_ATTR: role, "service.instance.id": instance}
+        self.provider = TracerProvider(sampler=ALWAYS_ON, resource=Resource.create(
+            {k: v for k, v in resource.items() if v}))
+        self.recent = Recent(keep)
+        self.provider.add_span_processor(self.recent)
+        if otlp_endpoint:  # imported only then: protobuf and requests stay out of a process that exports nothing
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(traces_url(otlp_endpoint))))
+        self.tracer = self.provider.get_tracer("slofleet")
+
+    def begin(self, method: str, path: str, carrier: dict[str, str], rid: str, start_ns: int | None = None,
+              **attrs) -> RequestTrace:
+        """The trace of one request arriving with `carrier`'s headers (traceparent, tracestate)."""
+        return RequestTrace(self.tracer, method, path, carrier, rid, start_ns, attrs)
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()  # flushes the OTLP batch
+
+
+def span_dict(span: ReadableSpan) -> dict:
+    res = span.resource.attributes
+    return {"trace_id": f"{span.context.trace_id:032x}", "span_id": f"{span.context.span_id:016x}",
+            "parent_id": f"{span.parent.span_id:016x}" if span.parent else None, "name": span.name,
+            "service": res.get("service.name"), "role": res.get(ROLE_ATTR), "instance": res.get("service.instance.id"),
+            "kind": span.kind.name.lower(), "start_ns": span.start_time, "end_ns": span.end_time,
+            "status": span.status.status_code.name.lower(), "attributes": dict(span.attributes or {}),
+            "events": [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
+                       for e in span.events]}
+
+
+class Recent(SpanProcessor):
+    """The last `keep` traces' ended spans, found by trace id or by request id; turned into plain dicts only when
+    asked for (on the request path a span costs a few dict operations here). Bounded however callers reuse ids: a
+    client that sends every request under one trace id fills that trace's span ring, no more."""
+
+    def __init__(self, keep: int):
+        self.keep, self.lock = keep, threading.Lock()
+        self.traces: OrderedDict[str, deque[ReadableSpan]] = OrderedDict()
+        self.by_request: OrderedDict[str, str] = OrderedDict()  # request id -> trace id; stale ones age out
+
+    def on_end(self, span: ReadableSpan) -> None:
+        tid, rid = f"{span.context.trace_id:032x}", (span.attributes or {}).get(REQUEST_ID_ATTR)
+        with self.lock:
+            spans = self.traces.get(tid)
+            if spans is None:
+                spans = self.traces[tid] = deque(maxlen=SPANS_PER_TRACE)
+                if len(self.traces) > self.keep:
+                    self.traces.popitem(last=False)
+            spans.append(span)
+            if rid:
+                self.by_request[rid] = tid
+                self.by_request.move_to_end(rid)
+                if len(self.by_request) > 4 * self.keep:
+                    self.by_request.popitem(last=False)
+
+    def get(self, key: str) -> dict | None:
+        """{"trace_id", "spans"}: a trace's spans here, or a request's (the spans under those naming its request id;
+        a reused request id: its latest trace)."""
+        with self.lock:
+            tid = key if key in self.traces else self.by_request.get(key)
+            spans = list(self.traces.get(tid, ()))
+        if not spans:
+            return None
+        found = [span_dict(s) for s in spans]
+        return {"trace_id": tid, "spans": found if key == tid else subtree(found, key)}
+
+    def summaries(self) -> list[dict]:
+        with self.lock:
+            items = [(tid, list(spans)) for tid, spans in reversed(self.traces.items())]
+        out = []
+        for tid, spans in items:
+            start, end = min(s.start_time for s in spans), max(s.end_time for s in spans)
+            ids = {s.context.span_id for s in spans}
+            root = min((s for s in spans if not s.parent or s.parent.span_id not in ids), key=lambda s: s.start_time)
+            rids = sorted({s.attributes[REQUEST_ID_ATTR] for s in spans if REQUEST_ID_ATTR in (s.attributes or {})})
+            out.append({"trace_id": tid, "request_ids": rids[:20], "name": root.name, "start_ns": start,
+                        "duration_ms": round((end - start) / 1e6, 3), "spans": len(spans)})
+        return out
+
+
+def subtree(spans: list[dict], rid: str) -> list[dict]:
+    """The spans that name request `rid` and every span below them (a trace may hold several requests)."""
+    children: dict[str | None, list[dict]] = {}
+    for s in spans:
+        children.setdefault(s["parent_id"], []).append(s)
+    out, todo = [], [s for s in spans if s["attributes"].get(REQUEST_ID_ATTR) == rid]
+    seen = {s["span_id"] for s in todo}
+    while todo:
+        s = todo.pop()
+        out.append(s)
+        for c in children.get(s["span_id"], ()):
+            if c["span_id"] not in seen:
+                seen.add(c["span_id"])
+                todo.append(c)
+    return sorted(out, key=lambda s: s["start_ns"])
+
+
+def peers(spans: list[dict]) -> set[str]:
+    """The engine URLs these (router) spans sent the request to: where the rest of its trace is kept."""
+    return {s["attributes"][a] for s in spans for a in PEER_ATTRS if a in s["attributes"]}
+
+
+def merge(trace_id: str, rid: str | None, parts: list[list[dict]]) -> dict:
+    """A trace's spans from several processes, or only request `rid`'s."""
+    spans = list({s["span_id"]: s for part in parts for s in part}.values())
+    return {"trace_id": trace_id, "spans": sorted(spans, key=lambda s: s["start_ns"]) if rid is None
+            else subtree(spans, rid)}
