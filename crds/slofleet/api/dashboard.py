@@ -117,6 +117,9 @@ ROWS: dict[str, list[tuple[str, str, list[Target], str]]] = {
          per_bucket(f"{quantile(0.99, 'slofleet:router_time_to_first_byte_seconds', ROUTER + BUCKET)} - "
                     f"{quantile(0.99, 'vllm:time_to_first_token_seconds')}"),
          "routing, retries, hand-off and network: high while the engines look fine"),
+        ("Router time by phase (p99)", "s",
+         per_bucket(quantile(0.99, "slofleet:router_phase_seconds", ROUTER + BUCKET, "bucket, phase"),
+                    "{{bucket}} {{phase}}"), "gateway, classify, hold, choose, retry, upstream, handoff, own, stream"),
         ("Requests over their SLO", "percentunit",
          per_bucket('max by (bucket, clock) (slofleet:slo_bad_requests:ratio_rate5m{namespace="$namespace", '
                     'service=~"$llmservice-(unified|decode)", bucket=~"$bucket"})', "{{bucket}} {{clock}}"),
