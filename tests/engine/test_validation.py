@@ -183,6 +183,15 @@ def test_prefill_endpoint_checks_sampling_types(server):
     for sampling in [{"seed": 2**64}, {"stop_token_ids": ["a"]}, {"temperature": "1"}, {"ignore_eos": "yes"}]:
         refused(server, "/v1/kv/prefill", {"prompt_token_ids": [1, 2, 3], "sampling": sampling}, next(iter(sampling)))
     refused(server, "/v1/kv/prefill", {"prompt_token_ids": [1, True]}, "prompt_token_ids")
+    refused(server, "/v1/kv/prefill", {"prompt_token_ids": [1], "sampling": {"\ud800": 1}}, "unknown field", "\\ud800")
+    # An integer penalty reached the sampler as an int and made its tensor Long: the step failed.
+    r = post(server, "/v1/kv/prefill", {"prompt_token_ids": [1, 2, 3], "sampling": {"repetition_penalty": 2}})
+    assert r.status_code == 200, r.text
+
+
+def test_huge_integer_literal(server):
+    body = json.dumps(COMPLETION)[:-1] + ', "seed": ' + "9" * 5000 + "}"  # over Python's int_max_str_digits
+    refused(server, "/v1/completions", body, "too many digits")
 
 
 def test_seed_within_generator_range(server):

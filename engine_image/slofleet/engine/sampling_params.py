@@ -119,6 +119,8 @@ class SamplingParams:
             msg = problem(f.name, getattr(self, f.name))
             if msg:
                 raise InvalidRequest(f"{f.name} {msg}", f.name)
+            if f.name in FLOAT_RANGES:  # the sampler builds tensors from these: an int one would make them Long
+                setattr(self, f.name, float(getattr(self, f.name)))
         msg = order_problem(self.min_tokens, self.max_tokens)
         if msg:
             raise InvalidRequest(msg, "min_tokens")

@@ -75,6 +75,8 @@ def parse(raw: bytes, model: type[BaseModel]) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
+    except ValueError:  # json's guard against integer literals over sys.get_int_max_str_digits() digits
+        raise ApiError(400, "the request body holds a number with too many digits") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:

@@ -6,6 +6,7 @@ fields are refused, and OpenAI parameters the engine does not implement are refu
 parameter is a wrong answer the user cannot see."""
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
@@ -242,4 +243,11 @@ class PrefillRequest(Strict):
     @classmethod
     def _ids(cls, v):
         refuse(token_ids_problem(v) if isinstance(v, list) else None)
+        return v
+
+    @field_validator("sampling")
+    @classmethod
+    def _known(cls, v):
+        unknown = sorted(v.keys() - {f.name for f in fields(SamplingParams)})
+        refuse(f"unknown field(s): {', '.join(map(ascii, unknown[:5]))}" if unknown else None)  # ascii: keys echo
         return v
