@@ -225,7 +225,7 @@ class Router(_Model):
     enabled: bool = Field(True, description="off: no router; clients call the engines' Services directly")
     replicas: int = Field(1, ge=1, le=64)
     port: int = Field(8080, ge=1, le=65535)
-    policy: Literal["prefix", "least-load", "round-robin"] = Field("prefix", description="replica choice")
+    policy: Literal["prefix", "least-load", "round-robin", "precise"] = Field("prefix", description="replica choice")
     hold_timeout_seconds: int = Field(60, ge=0, le=3600, description="how long a request waits for a ready engine "
                                       "(scale from zero) before it gets 503")
     resources: Resources = Field({"requests": {"cpu": "100m", "memory": "128Mi"},

@@ -10,15 +10,24 @@ together. Prompts shorter than that head carry little KV worth reusing and go to
 Bounded load (Mirrokni, Thorup, Zadimoghaddam 2018): each replica may hold at most ceil(c * (total + 1) / n)
 requests; the key's ring position is walked clockwise to the first replica under that bound, so a hot prefix
 spills to its ring neighbours instead of queueing on one replica, and a removed replica only moves its own keys.
-A replica whose KV cache is nearly full is skipped the same way."""
+A replica whose KV cache is nearly full is skipped the same way.
+
+`precise` (kv_index.py) scores replicas by the longest prefix of the request's blocks their KV events say they
+hold, under the same load bound, and falls back to this hashing when none holds its first block (no events yet,
+a new prefix): so a new prefix's concurrent first requests still land together."""
 from __future__ import annotations
 
 import bisect
 import hashlib
 import math
+from dataclasses import dataclass
 from itertools import count
+from typing import TYPE_CHECKING
 
 from .replicas import Replica
+
+if TYPE_CHECKING:
+    from .kv_index import Precise
 
 
 def _h(data: bytes) -> int:
@@ -49,16 +58,31 @@ class Ring:
                 yield u
 
 
+@dataclass(frozen=True)
+class Prefix:
+    """A request's affinity under the precise policy: its block hash chain, and its ring key to fall back on."""
+    ring: int | None
+    chain: list[int]
+
+
 class Balancer:
-    def __init__(self, policy: str = "prefix", load_factor: float = 1.25, kv_full: float = 0.95):
-        if policy not in ("prefix", "least-load", "round-robin"):
-            raise ValueError(f"unknown routing policy {policy!r}")
-        self.policy, self.load_factor, self.kv_full = policy, load_factor, kv_full
+    def __init__(self, policy: str = "prefix", load_factor: float = 1.25, kv_full: float = 0.95,
+                 precise: Precise | None = None):
+        if policy not in ("prefix", "least-load", "round-robin", "precise") or (policy == "precise") != bool(precise):
+            raise ValueError(f"unknown routing policy {policy!r}, or precise without its index")
+        self.policy, self.load_factor, self.kv_full, self.precise = policy, load_factor, kv_full, precise
         self.ring = Ring([])
         self.rr = count()
 
     def set_urls(self, urls: list[str]) -> None:
         self.ring = Ring(urls)
+        if self.precise is not None:
+            self.precise.subscriptions.sync(urls)
+
+    def key(self, messages: list[dict] | None, prompt, text: str, affinity_chars: int) -> int | Prefix | None:
+        ring = prefix_key(text, affinity_chars)
+        chain = self.precise.chain(messages, prompt) if self.precise is not None else None
+        return Prefix(ring, chain) if chain else ring
 
     def choose(self, ready: list[Replica], key: int | None, exclude: set[str]) -> Replica | None:
         cands = [r for r in ready if r.url not in exclude]
@@ -70,6 +94,11 @@ class Balancer:
         if self.policy == "least-load" or key is None:
             return min(roomy, key=lambda r: (r.load(), r.kv_usage))
         bound = math.ceil(self.load_factor * (sum(r.load() for r in cands) + 1) / len(cands))
+        if isinstance(key, Prefix):  # the longest cached prefix; no replica holding its first block: hashing
+            r = self.precise.pick(roomy, key.chain, bound)
+            if r is not None or key.ring is None:
+                return r or min(roomy, key=lambda r: (r.load(), r.kv_usage))
+            key = key.ring
         by_url = {r.url: r for r in roomy}
         for url in self.ring.walk(key):
             r = by_url.get(url)

@@ -47,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of the capacity the least critical priority may use (the most critical: all)")
     parser.add_argument("--policy", default=Spec.model_fields["policy"].default,
                         choices=typing.get_args(Spec.model_fields["policy"].annotation))
+    parser.add_argument("--model", default=None,
+                        help="--policy precise: the engines' --model, for its tokenizer, chat template and fingerprint")
+    parser.add_argument("--kv-events-endpoint", default="tcp://{host}:5557", metavar="TEMPLATE",
+                        help="--policy precise: each replica's KV event publisher ({host}: the replica's)")
+    parser.add_argument("--kv-events-replay-endpoint", default="tcp://{host}:5558", metavar="TEMPLATE",
+                        help="--policy precise: each replica's replay socket, to fill gaps (empty: none)")
+    parser.add_argument("--prefix-index-blocks", type=int, default=1_000_000,
+                        help="--policy precise: (replica, block) entries the index holds at most")
     parser.add_argument("--affinity-chars", type=int, default=Cfg.affinity_chars,
                         help="leading prompt characters hashed for prefix affinity")
     parser.add_argument("--load-factor", type=float, default=1.25,
@@ -120,8 +128,15 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"slofleet router: {e}")
         return 2
+    precise = None
+    if args.policy == "precise":
+        if not args.model:
+            print("slofleet router: --policy precise needs --model (the engines' own)")
+            return 2
+        from .kv_index import Precise
+        precise = Precise(args.model, args.kv_events_endpoint, args.kv_events_replay_endpoint, args.prefix_index_blocks)
     app = Router(cfg, replicas, Classifier(buckets, args.chars_per_token, args.min_shed_share), keys, Quotas(),
-                 Balancer(args.policy, args.load_factor))
+                 Balancer(args.policy, args.load_factor, precise=precise))
     # httptools (uvicorn[standard]; several times less CPU per streamed chunk than h11) with bounds on slow
     # request heads, and uvloop when installed
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

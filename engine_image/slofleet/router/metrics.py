@@ -49,5 +49,13 @@ class RouterMetrics:
         self.phase = Histogram("slofleet:router_phase_seconds", "Time a request spends in each router phase: "
                                + "; ".join(f"{k}: {v}" for k, v in PHASES.items()) + ".", ["bucket", "phase"],
                                buckets=PHASE_BUCKETS, registry=r)
+        self.index_blocks = Gauge("slofleet:router_prefix_index_blocks", "Entries (replica, block) in the precise "
+                                  "policy's prefix index.", registry=r)
+        self.index_bytes = Gauge("slofleet:router_prefix_index_bytes", "Memory the precise policy's prefix index "
+                                 "holds (entries times their measured size).", registry=r)
         self.held = Gauge(ROUTER_HELD, "Requests waiting for a serving replica to become ready "
                           "(the autoscaler's signal to scale up from zero).", ["bucket"], registry=r)
+
+    def index(self, index) -> None:
+        self.index_blocks.set(len(index))
+        self.index_bytes.set(index.bytes)

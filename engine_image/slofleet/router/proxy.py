@@ -35,7 +35,7 @@ from slofleet.api import v1alpha1 as api
 from slofleet.api.contract import BUCKET_HEADER, REQUEST_ID_HEADER, ROUTER
 from slofleet.tracing.core import RequestTrace, Tracing, request_id_of, with_request_id
 
-from .balancer import Balancer, prefix_key
+from .balancer import Balancer
 from .buckets import Admission, Bucket, Classifier
 from .debug import debug_traces
 from .gateway import GatewayError, KeyStore, Quotas
@@ -104,6 +104,8 @@ class Router:
         if method == "GET" and path == "/metrics":
             for r in self.replicas.replicas.values():
                 self.metrics.replica_up.labels(r.url).set(1 if r.ready else 0)
+            if self.balancer.precise is not None:
+                self.metrics.index(self.balancer.precise.index)
             return await respond(send, 200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST.encode())
         if method == "GET" and path == "/v1/models":
             return await self.models(scope, send)
@@ -129,6 +131,8 @@ class Router:
                     headers=internal_auth())  # on every request to an engine; a client's own is never sent
                 self.upstream.session = self.session
                 self.tasks = [asyncio.create_task(self.replicas.run()), asyncio.create_task(self.reload_keys())]
+                if self.balancer.precise is not None:
+                    self.tasks.append(asyncio.create_task(self.balancer.precise.subscriptions.start()))
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
                 for t in self.tasks:
@@ -240,7 +244,7 @@ class Router:
         # the trace context goes per try (each its own span); the request id is the one the client was answered with
         upstream_headers = {"content-type": "application/json", BUCKET_HEADER: bucket.name,
                             REQUEST_ID_HEADER: rt.request_id}
-        key = prefix_key(text, self.cfg.affinity_chars)
+        key = self.balancer.key(body.messages, body.prompt, text, self.cfg.affinity_chars)
         self.inflight += 1
         self.metrics.inflight.labels(bucket.name).inc()
         work = asyncio.ensure_future(self.upstream.forward(send, path, json.dumps(data).encode(), upstream_headers,
