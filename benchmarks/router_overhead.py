@@ -82,6 +82,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds, alternating direct and router")
     p.add_argument("--events", type=int, default=10)
     p.add_argument("--gap", type=float, default=0.05)
+    p.add_argument("--workers", type=int, default=1, help="the router's --workers")
     p.add_argument("--standin", type=int, help=argparse.SUPPRESS)  # internal: run the stand-in on this port
     args = p.parse_args()
     if args.standin:
@@ -93,7 +94,8 @@ def main() -> int:
                                "--gap", str(args.gap)], env=env),
              subprocess.Popen([sys.executable, "-m", "slofleet.cli", "router", "--port", str(router_port),
                                "--upstream", f"http://127.0.0.1:{up_port}", "--log-level", "warning",
-                               "--capacity-per-replica", str(4 * args.concurrency)], cwd=ROOT, env=env)]
+                               "--capacity-per-replica", str(4 * args.concurrency), "--workers", str(args.workers)],
+                              cwd=ROOT, env=env)]
     try:
         direct_url, router_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{router_port}"
         asyncio.run(wait_ready(direct_url, 30))
@@ -103,12 +105,16 @@ def main() -> int:
         for _ in range(args.rounds):
             direct += asyncio.run(ttfbs(direct_url, args.concurrency, args.seconds, args.events * args.gap))
             routed += asyncio.run(ttfbs(router_url, args.concurrency, args.seconds, args.events * args.gap))
-        print(f"stand-in upstream (no model), {args.concurrency} concurrent streams, {len(direct)} / {len(routed)} "
+        print(f"stand-in upstream (no model), {args.concurrency} concurrent streams, router --workers {args.workers}, "
+              f"{len(direct)} / {len(routed)} "
               f"streams measured direct / through the router, "
               f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-        print(f"{'path':<8} {'TTFB P50 ms':>12} {'P90 ms':>8} {'P99 ms':>8}")
+        print(f"{'path':<8} {'streams/s':>10} {'TTFB P50 ms':>12} {'P90 ms':>8} {'P99 ms':>8}")
+        span = args.rounds * args.seconds
         for name, xs in (("direct", direct), ("router", routed)):
-            print(f"{name:<8} {pct(xs, 50):>12.2f} {pct(xs, 90):>8.2f} {pct(xs, 99):>8.2f}")
+            print(f"{name:<8} {len(xs) / span:>10.0f} {pct(xs, 50):>12.2f} {pct(xs, 90):>8.2f} {pct(xs, 99):>8.2f}")
+        print(f"router / direct: {len(routed) / len(direct):.2f}x the streams (target >= 0.9x), P99 TTFB "
+              f"{pct(routed, 99) / pct(direct, 99):.2f}x (target <= 2x)")
         print(f"router overhead, P50 through router minus P50 direct: {pct(routed, 50) - pct(direct, 50):.2f} ms "
               f"(target < 2 ms)")
     finally:

@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--otlp-traces-endpoint", default=Cfg.otlp_traces_endpoint, metavar="URL",
                         help="send request traces by OTLP/HTTP to this URL (http://collector:4318 gets /v1/traces); "
                              "the last traces are kept in memory either way, at GET /debug/traces")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="router processes sharing the port (SO_REUSEPORT); quotas, admission and metrics are "
+                             "per worker (server.py)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -100,9 +103,11 @@ def run(args: argparse.Namespace) -> int:
     from .gateway import KeyStore, Quotas
     from .proxy import Router, RouterConfig
     from .replicas import ReplicaSet, kubernetes_lister, llmservice_selector, service_selector
-    from .server import DrainingServer, head_limited
+    from .server import DrainingServer, fork_workers, head_limited, reuse_port_socket
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.workers > 1 and (rc := fork_workers(args.workers)) is not None:
+        return rc  # the parent, once its workers ended; each worker goes on below to build its own router
     static = {**{u: UNIFIED for u in args.upstream}, **{u: PREFILL for u in args.prefill_upstream},
               **{u: DECODE for u in args.decode_upstream}}
     if sum(map(bool, (static, args.k8s_service, args.k8s_llmservice))) != 1:
@@ -142,5 +147,6 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             interface="asgi3", http=head_limited(args.header_timeout, args.max_header_bytes),
                             timeout_keep_alive=args.keep_alive_timeout, timeout_graceful_shutdown=args.grace_period)
-    DrainingServer(config, app, args.drain_delay).run()
+    DrainingServer(config, app, args.drain_delay).run(
+        sockets=[reuse_port_socket(args.host, args.port)] if args.workers > 1 else None)
     return 0
