@@ -33,6 +33,7 @@ from .async_engine import AsyncEngine
 from .collector import DEFAULT_BUCKET, BucketLabels
 from .handoff import fetch_kv, is_loopback, mac, peer_base
 from .http import ApiError, from_engine, parse, read_body, unavailable
+from .lifecycle import drain, for_role
 from .metrics import Metrics
 from .openai_format import chat_handlers, completion_handlers
 from .protocol import ChatCompletionRequest, CompletionRequest, PrefillRequest, SamplingFields
@@ -174,6 +175,8 @@ async def results(state: State, rid: str, queue: asyncio.Queue) -> AsyncIterator
     try:
         while not finished:
             out = await queue.get()
+            if isinstance(out, ApiError):  # cut at the end of the shutdown's grace period (lifecycle.py)
+                raise out
             if out is None or out.finish_reason is FinishReason.ERROR:
                 raise ApiError(500, f"the engine failed while serving this request (request id {rid})",
                                "server_error")
@@ -311,6 +314,7 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
         app.add_api_route(path, handler, methods=["GET"])
     for path, handler in (("/v1/completions", completions), ("/v1/chat/completions", chat),
                           ("/v1/kv/prefill", kv_prefill)):
-        app.add_api_route(path, handler, methods=["POST"])
+        app.add_api_route(path, for_role(config.role, path, handler), methods=["POST"])
+    app.add_api_route("/v1/drain", drain, methods=["POST", "DELETE"])
     add_debug_routes(app, tracing)
     return app

@@ -7,6 +7,7 @@ import logging
 import threading
 
 from ..config import EngineConfig
+from .lifecycle import cut_open_requests
 from .settings import ServerSettings
 
 
@@ -47,14 +48,21 @@ def run(args: argparse.Namespace) -> int:
 
     class DrainingServer(uvicorn.Server):
         """On SIGTERM/SIGINT: /ready and new requests get 503 at once; after the drain delay the listener
-        closes and in-flight requests get the rest of the grace period to finish."""
+        closes and in-flight requests get the rest of the grace period to finish. Just before it ends, those
+        still open are answered with an error (uvicorn would cancel them without a word)."""
+        signalled = False  # not state.draining: an engine the operator drained still gets its grace period
 
         def handle_exit(self, sig: int, frame) -> None:
             state = app.state.slofleet
-            if state.draining:  # a second signal: stop now
+            if self.signalled:  # a second signal: stop now
                 return super().handle_exit(sig, frame)
-            state.draining = True
+            self.signalled = state.draining = True
             threading.Timer(settings.drain_delay, super().handle_exit, (sig, frame)).start()
+            cut = settings.drain_delay + max(0.0, settings.grace_period - min(1.0, settings.grace_period / 4))
+            timer = threading.Timer(cut, lambda: state.async_engine and state.async_engine.loop.call_soon_threadsafe(
+                cut_open_requests, state))
+            timer.daemon = True  # an engine done earlier exits without waiting for it
+            timer.start()
 
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                            timeout_graceful_shutdown=settings.grace_period))
