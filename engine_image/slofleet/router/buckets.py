@@ -3,15 +3,22 @@
 Rules are the LLMService resource's `buckets`, parsed with its models (slofleet.api.v1alpha1): the first bucket
 whose match conditions all hold wins, a bucket without conditions is the catch-all. The router has no tokenizer,
 so prompt tokens are estimated from characters (`chars_per_token`); the estimate only has to put a request in the
-right bucket."""
+right bucket.
+
+Loaded from a file (the operator's ConfigMap, mounted), the rules are re-read when it changes: a bucket edit applies
+without a restart. A file that does not parse then is logged and the rules loaded before stay."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from slofleet.api.v1alpha1 import SLO, Bucket, Match
+
+log = logging.getLogger("slofleet.router.buckets")
 
 
 class RoutedBucket(Bucket):
@@ -63,19 +70,20 @@ def load_buckets(path: str | Path) -> list[Bucket]:
 
 
 @dataclass
-class Ticket:
-    """An admitted request's claim on its bucket, released when its first byte (or its error) arrives."""
-    bucket: Bucket
-    tokens: int
-    released: bool = False
-
-
-@dataclass
 class BucketState:
     waiting: int = 0
     queued_tokens: int = 0
     allowance: float = 0.0  # token bucket for max_requests_per_second
     stamp: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Ticket:
+    """An admitted request's claim on its bucket, released when its first byte (or its error) arrives."""
+    bucket: Bucket
+    tokens: int
+    state: BucketState  # its bucket's counters when admitted (kept by a reload that drops the bucket)
+    released: bool = False
 
 
 class Admission(Exception):
@@ -90,14 +98,40 @@ class Classifier:
     in proportion to their rank. So under overload the sheddable buckets are refused first and the critical
     one keeps headroom, instead of all buckets failing together."""
 
-    def __init__(self, buckets: list[Bucket], chars_per_token: float = 4.0, min_share: float = 0.5):
-        self.buckets, self.chars_per_token = buckets, chars_per_token
+    def __init__(self, buckets: list[Bucket], chars_per_token: float = 4.0, min_share: float = 0.5,
+                 source: str | None = None):
+        self.chars_per_token, self.min_share, self.source = chars_per_token, min_share, source
+        self.mtime, self.failed = os.stat(source).st_mtime if source else 0.0, None
+        self.state: dict[str, BucketState] = {}
+        self.set_buckets(buckets)
+
+    def set_buckets(self, buckets: list[Bucket]) -> None:
+        """New rules; a bucket kept by name keeps its counters (its requests in flight, its rate allowance)."""
         # a rate-limited bucket starts with one second's worth of requests allowed
-        self.state = {b.name: BucketState(allowance=max(b.admission.max_requests_per_second or 0.0, 1.0))
-                      for b in buckets}
+        self.state = {b.name: self.state.get(b.name) or BucketState(
+            allowance=max(b.admission.max_requests_per_second or 0.0, 1.0)) for b in buckets}
         levels = sorted({b.priority for b in buckets})
         span = max(len(levels) - 1, 1)
-        self.share = {p: 1.0 - (1.0 - min_share) * i / span for i, p in enumerate(levels)}
+        self.share = {p: 1.0 - (1.0 - self.min_share) * i / span for i, p in enumerate(levels)}
+        self.buckets = buckets
+
+    def reload(self) -> None:
+        """Re-read the source file if it changed (cheap enough to call every few seconds)."""
+        if not self.source:
+            return
+        try:
+            mtime = os.stat(self.source).st_mtime
+            if mtime == self.mtime:
+                return
+            buckets = load_buckets(self.source)
+        except Exception as e:  # whatever the file holds (or a Secret-style swap hides a moment), the router serves on
+            if self.failed != str(e):
+                log.error("buckets file %s not reloaded, the buckets loaded before stay: %s", self.source, e)
+            self.failed = str(e)
+            return
+        self.set_buckets(buckets)
+        self.mtime, self.failed = mtime, None
+        log.info("buckets reloaded: %s", ", ".join(b.name for b in buckets))
 
     def estimate_tokens(self, text_len: int) -> int:
         return int(text_len / self.chars_per_token) + 1
@@ -132,11 +166,11 @@ class Classifier:
             st.allowance -= 1.0
         st.waiting += 1
         st.queued_tokens += tokens
-        return Ticket(bucket, tokens)
+        return Ticket(bucket, tokens, st)
 
     def release(self, ticket: Ticket) -> None:
         if not ticket.released:
             ticket.released = True
-            st = self.state[ticket.bucket.name]
+            st = ticket.state
             st.waiting -= 1
             st.queued_tokens -= ticket.tokens

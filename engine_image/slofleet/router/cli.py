@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{SERVICE_LABEL} and {ROLE_LABEL} labels)")
     parser.add_argument("--k8s-port-name", default=None, help="EndpointSlice port name to use (default: the first)")
     parser.add_argument("--buckets", metavar="FILE",
-                        help="YAML/JSON bucket rules: a list, {buckets: [...]}, or an LLMService/SLOPolicy")
+                        help="YAML/JSON bucket rules: a list, {buckets: [...]}, or an LLMService/SLOPolicy; re-read "
+                             "within seconds of a change")
     parser.add_argument("--api-keys-file", metavar="FILE", help="API keys, one a line (a mounted Secret works)")
     parser.add_argument("--api-keys-env", default="SLOFLEET_API_KEYS",
                         help="environment variable with comma-separated API keys")
@@ -140,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         from .kv_index import Precise
         precise = Precise(args.model, args.kv_events_endpoint, args.kv_events_replay_endpoint, args.prefix_index_blocks)
-    app = Router(cfg, replicas, Classifier(buckets, args.chars_per_token, args.min_shed_share), keys, Quotas(),
-                 Balancer(args.policy, args.load_factor, precise=precise))
+    app = Router(cfg, replicas, Classifier(buckets, args.chars_per_token, args.min_shed_share, args.buckets), keys,
+                 Quotas(), Balancer(args.policy, args.load_factor, precise=precise))
     # httptools (uvicorn[standard]; several times less CPU per streamed chunk than h11) with bounds on slow
     # request heads, and uvloop when installed
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

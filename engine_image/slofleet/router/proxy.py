@@ -143,9 +143,10 @@ class Router:
                 return
 
     async def reload_keys(self) -> None:
-        while True:  # a rotated Secret's file changes under us; pick it up within seconds
+        while True:  # a rotated Secret's file changes under us, the buckets' ConfigMap too; pick them up within seconds
             await asyncio.sleep(5)
             self.keys.reload()  # a bad file is logged there, and the keys loaded before stay
+            self.classifier.reload()  # the same for the buckets
 
     async def models(self, scope, send) -> None:
         try:
