@@ -77,8 +77,12 @@ class Kube:
         for api_version, kind in CHILD_KINDS:
             if not self.has_kind(api_version, kind):
                 continue
-            items = self._res(api_version, kind).get(namespace=namespace,
-                                                     label_selector=f"{SERVICE_LABEL}={service}").to_dict()
+            try:
+                items = self._res(api_version, kind).get(namespace=namespace,
+                                                         label_selector=f"{SERVICE_LABEL}={service}").to_dict()
+            except NotFoundError:  # its CRD went away since discovery (which the client caches on disk)
+                self._kinds[(api_version, kind)] = (time.monotonic(), False)
+                continue
             for item in items.get("items", []):
                 item.setdefault("apiVersion", api_version)
                 item.setdefault("kind", kind)
