@@ -6,7 +6,13 @@ import torch
 
 from slofleet.engine.detokenizer import Detokenizer
 from slofleet.engine.request import Request
-from slofleet.engine.sampler import Sampler, filter_top_k_top_p
+from slofleet.engine.sampler import (
+    TOP_P_CANDIDATES,
+    Sampler,
+    apply_penalties,
+    block_stop_tokens,
+    filter_top_k_top_p,
+)
 from slofleet.engine.sampling_params import SamplingParams
 
 V = 10
@@ -28,13 +34,46 @@ def test_greedy_picks_argmax():
     assert toks == [2]
 
 
+def kept(x: torch.Tensor, top_k: int, top_p: float, min_p: float) -> list[bool]:
+    """Which tokens of one row of logits survive the filters."""
+    vals, ids = filter_top_k_top_p(x[None], torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))
+    ids = torch.arange(len(x))[None] if ids is None else ids
+    return torch.zeros(len(x), dtype=torch.bool).index_fill_(0, ids[torch.isfinite(vals)], True).tolist()
+
+
 def test_top_k_and_top_p_restrict_support():
     x = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
-    assert torch.isfinite(filter_top_k_top_p(x, 2, 1.0, 0.0)).tolist() == [True, True, False, False, False]
+    assert kept(x, 2, 1.0, 0.0) == [True, True, False, False, False]
     probs = x.softmax(-1)  # ~[.64, .24, .09, .03, .01]
-    kept = torch.isfinite(filter_top_k_top_p(x, -1, 0.8, 0.0)).tolist()
-    assert kept == [True, True, False, False, False] and probs[0] < 0.8 < probs[:2].sum()
-    assert torch.isfinite(filter_top_k_top_p(x, -1, 1.0, 0.2)).tolist() == [True, True, False, False, False]
+    assert kept(x, -1, 0.8, 0.0) == [True, True, False, False, False] and probs[0] < 0.8 < probs[:2].sum()
+    assert kept(x, -1, 1.0, 0.2) == [True, True, False, False, False]
+    assert kept(x, 3, 0.7, 0.0) == [True, True, False, False, False]  # top-p over what top-k leaves: .67, .25, .09
+
+
+def test_top_p_beyond_the_candidates_sorts_the_whole_row():
+    x = torch.zeros(3 * TOP_P_CANDIDATES)  # flat: top_p just under 0.5 needs half of the vocabulary
+    assert sum(kept(x, -1, 0.499, 0.0)) == len(x) // 2
+
+
+def test_a_mixed_batch_samples_each_row_from_its_own_distribution():
+    torch.manual_seed(0)
+    row = torch.randn(V) * 2
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7), SamplingParams(top_k=3),
+              SamplingParams(top_p=0.6), SamplingParams(min_p=0.3, temperature=1.5)]
+    n = 4000  # rows of each setting, interleaved in one batch
+    reqs = [make(params[i % len(params)], rid=str(i)) for i in range(n * len(params))]
+    toks, _ = Sampler(eos_ids=set()).sample(row.repeat(len(reqs), 1), reqs)
+    counts = torch.zeros(len(params), V).index_put_(
+        (torch.arange(len(reqs)) % len(params), torch.tensor(toks)), torch.ones(len(reqs)), accumulate=True)
+    for i, p in enumerate(params):
+        if p.greedy:
+            expected = torch.nn.functional.one_hot(row.argmax(), V).float()
+        else:
+            vals, ids = filter_top_k_top_p(row[None] / p.temperature, torch.tensor([p.top_k]),
+                                           torch.tensor([p.top_p]), torch.tensor([p.min_p]))
+            probs = vals.softmax(-1)[0]
+            expected = torch.zeros(V).index_add_(0, torch.arange(V) if ids is None else ids[0], probs)
+        assert (counts[i] / n - expected).abs().max() < 0.03, (p, counts[i] / n, expected)
 
 
 def test_seed_makes_sampling_reproducible_and_independent_of_batch():
@@ -68,6 +107,25 @@ def test_penalties():
                        [make(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0])])
     assert toks == [1]
     assert base == [1.0] * 4
+
+
+def test_penalties_and_min_tokens_in_a_batch_apply_to_their_own_rows():
+    torch.manual_seed(1)
+    x = torch.randn(4, V)
+    reqs = [make(SamplingParams(temperature=0, repetition_penalty=1.7), prompt=[1, 2], out=[3, 3]),
+            make(SamplingParams(temperature=0)),
+            make(SamplingParams(temperature=0, frequency_penalty=0.4, presence_penalty=-0.3), out=[5, 5, 6]),
+            make(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7]), out=[1])]
+    batched = x.clone()
+    apply_penalties(batched, reqs)
+    block_stop_tokens(batched, reqs, eos_ids={8})
+    expected = x.clone()
+    for t in (1, 2, 3):
+        expected[0, t] = expected[0, t] / 1.7 if expected[0, t] > 0 else expected[0, t] * 1.7
+    expected[2, 5] -= 0.4 * 2 - 0.3
+    expected[2, 6] -= 0.4 - 0.3
+    expected[3, [7, 8]] = float("-inf")
+    assert torch.allclose(batched, expected)
 
 
 def test_min_tokens_blocks_eos_and_stop_ids():

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from slofleet.engine import attention
 from slofleet.engine.attention import AttentionMetadata, TorchAttention
 from slofleet.engine.triton_attention import TritonAttention
 
@@ -134,13 +135,15 @@ def test_padding_rows_are_inert(splits):
     assert (kc.view(-1, 2, 32).ne(k_cache.view(-1, 2, 32)).any(-1).any(-1)).sum() == 1
 
 
+@pytest.mark.parametrize("gather_bytes", [1 << 20, 100 << 10, 1])  # one chunk of decodes, a few, one per sequence
 @pytest.mark.parametrize("spans", [
-    [(1, 300), (1, 20), (1, 250), (1, 35), (1, 40), (1, 280)],  # spread lengths: the decodes form two groups
-    [(1, 90), (1, 80), (1, 100), (1, 85)],  # close lengths: one group
-    [(1, 300), (7, 60), (1, 20), (1, 310), (1, 15)],  # grouped decodes around a prefill chunk
+    [(1, 300), (1, 20), (1, 250), (1, 35), (1, 40), (1, 280)],  # spread lengths
+    [(1, 90), (1, 80), (1, 100), (1, 85)],  # close lengths
+    [(1, 300), (7, 60), (1, 20), (1, 310), (1, 15)],  # decodes around a prefill chunk
 ])
-def test_torch_oracle_matches_dense_attention(spans):
+def test_torch_oracle_matches_dense_attention(spans, gather_bytes, monkeypatch):
     """The oracle itself, against plain causal attention over each sequence's whole context, gathered slot by slot."""
+    monkeypatch.setattr(attention, "GATHER_BYTES", gather_bytes)
     block_size, heads, kv_heads, dim = 16, 6, 2, 32
     meta, k_cache, v_cache = make_batch(spans, block_size, kv_heads, dim, torch.float32, seed=len(spans))
     total = sum(q for q, _ in spans)

@@ -37,11 +37,18 @@ class AttentionBackend(Protocol):
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
 
+# K and V bytes one decode attention call gathers into the reused buffers, small enough to stay in a core's L2 until
+# SDPA reads them. On a 2-core Xeon (2 MiB L2 a core) 1-4 MiB chunks ran decode attention 25-40% faster than one
+# gather of the whole batch at 32-64 sequences of 512 tokens, and as fast at 16 of 128.
+GATHER_BYTES = 1 << 20
+
+
 class TorchAttention:
     """Reference paged attention: scatter new K/V into their slots, then attend over each block table."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V gather targets, reused every call
 
     @staticmethod
     def write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -50,16 +57,21 @@ class TorchAttention:
         k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
-    def _plan(self, meta: AttentionMetadata, device: torch.device) -> dict:
+    def _plan(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> dict:
         """Gather indices and masks shared by all layers of one step.
 
         Context is gathered a whole block at a time (index_select over block ids): copying 16-token runs is
         tens of times faster than indexing token slots one by one, and the tail past each length is masked.
         """
-        bs = self.block_size
+        bs, device = self.block_size, k_cache.device
         qlens, slens = meta.query_lens_host, meta.seq_lens_host
         decodes = [i for i, q in enumerate(qlens) if q == 1]
-        decode_groups = self._decode_groups(meta, decodes, len(qlens), device) if decodes else []
+        decode_chunks = self._decode_chunks(meta, decodes, len(qlens), k_cache) if decodes else []
+        if decode_chunks:
+            rows = max(len(blocks) for _, blocks, _, _ in decode_chunks)
+            if self.buffers is None or len(self.buffers[0]) < rows or self.buffers[0].dtype != k_cache.dtype:
+                self.buffers = (k_cache.new_empty((rows, *k_cache.shape[1:])),
+                                k_cache.new_empty((rows, *k_cache.shape[1:])))
         prefill_info = []
         for i in (i for i, q in enumerate(qlens) if q > 1):
             start, q, L = int(meta.query_start_loc[i]), qlens[i], slens[i]
@@ -70,44 +82,52 @@ class TorchAttention:
             qpos = torch.arange(L - q, L, device=device)
             mask = torch.arange(len(blocks) * bs, device=device)[None, :] <= qpos[:, None]
             prefill_info.append((start, q, blocks, mask))
-        return {"decode_groups": decode_groups, "prefill_info": prefill_info}
+        return {"decode_chunks": decode_chunks, "prefill_info": prefill_info}
 
-    def _decode_groups(self, meta: AttentionMetadata, decodes: list[int], batch: int, device: torch.device) -> list:
-        """(rows, blocks, mask, n) per group of decodes. Each decode of a group reads as many blocks as the group's
-        longest context; when lengths spread widely, the shorter half goes in a group of its own, since the padding
-        it saves (a quarter or more of the blocks read) costs more than a second attention call."""
+    def _decode_chunks(self, meta: AttentionMetadata, decodes: list[int], batch: int, k_cache: torch.Tensor) -> list:
+        """(rows, blocks, mask, n) per chunk of decodes. A chunk gathers at most GATHER_BYTES of K and V (or one
+        sequence), each of its rows as many blocks as its longest context: the decodes go in order of length, so
+        short ones pad to short ones. rows is None for one chunk of the whole batch in batch order."""
         bs, slens = self.block_size, meta.seq_lens_host
-        groups = [decodes]  # in batch order: a lone group of every row is returned as it is
-        order = sorted(decodes, key=lambda i: slens[i])
-        half = len(order) // 2
-        if half >= 2 and 4 * half * (slens[order[-1]] - slens[order[half - 1]]) >= len(order) * slens[order[-1]]:
-            groups = [order[:half], order[half:]]
+        block_bytes = 2 * k_cache[0].numel() * k_cache.element_size()
+        nblk = {i: -(-slens[i] // bs) for i in decodes}
+        if len(decodes) * max(nblk.values()) * block_bytes <= GATHER_BYTES:
+            chunks = [decodes]
+        else:
+            chunks, order = [], sorted(decodes, key=slens.__getitem__)
+            for i in order:
+                if chunks and (len(chunks[-1]) + 1) * nblk[i] * block_bytes <= GATHER_BYTES:
+                    chunks[-1].append(i)
+                else:
+                    chunks.append([i])
         out = []
-        for g in groups:
-            nblk = -(-max(slens[i] for i in g) // bs)
-            idx = torch.as_tensor(g, device=device)
-            blocks = meta.block_tables[idx, :nblk].reshape(-1).long()
-            pos = torch.arange(nblk * bs, device=device)
+        for c in chunks:
+            width = nblk[c[-1]] if len(chunks) > 1 else max(nblk.values())
+            idx = torch.as_tensor(c, device=k_cache.device)
+            blocks = meta.block_tables[idx, :width].reshape(-1).long()
+            pos = torch.arange(width * bs, device=k_cache.device)
             mask = (pos[None, :] < meta.seq_lens[idx].long()[:, None])[:, None, None, :]
-            rows = None if len(g) == batch else meta.query_start_loc[idx].long()
-            out.append((rows, blocks, mask, len(g)))
+            rows = None if len(c) == batch else meta.query_start_loc[idx].long()
+            out.append((rows, blocks, mask, len(c)))
         return out
 
     @staticmethod
-    def gather(cache: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
-        """[rows, blocks_per_row * block_size, kv_heads, dim] from whole blocks."""
-        return cache.index_select(0, blocks).view(rows, -1, cache.shape[2], cache.shape[3])
+    def gather(cache: torch.Tensor, blocks: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, blocks_per_row * block_size, kv_heads, dim] from whole blocks (into out's first blocks if given)."""
+        got = cache.index_select(0, blocks) if out is None else torch.index_select(cache, 0, blocks,
+                                                                                  out=out[:len(blocks)])
+        return got.view(rows, -1, cache.shape[2], cache.shape[3])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.cache is None:
-            meta.cache = self._plan(meta, q.device)
+            meta.cache = self._plan(meta, k_cache)
         plan = meta.cache
         out = torch.empty_like(q)
-        for rows, blocks, mask, n in plan["decode_groups"]:
-            kk = self.gather(k_cache, blocks, n).transpose(1, 2)  # [B, kvh, L, d]
-            vv = self.gather(v_cache, blocks, n).transpose(1, 2)
+        for rows, blocks, mask, n in plan["decode_chunks"]:
+            kk = self.gather(k_cache, blocks, n, self.buffers[0]).transpose(1, 2)  # [B, kvh, L, d]
+            vv = self.gather(v_cache, blocks, n, self.buffers[1]).transpose(1, 2)
             qq = (q if rows is None else q[rows]).unsqueeze(2)  # [B, h, 1, d]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
             if rows is None:

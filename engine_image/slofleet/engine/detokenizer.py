@@ -1,7 +1,17 @@
 """Incremental, UTF-8-safe detokenization with stop strings that never leak partially into a stream."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+
+def decoder(tokenizer) -> Callable[[list[int]], str]:
+    """ids -> text without special tokens. A transformers fast tokenizer's decode only forwards to its Rust
+    tokenizer (unless it cleans up spaces), at several times the cost of calling that directly, twice per token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return lambda ids: backend.decode(ids, skip_special_tokens=True)
 
 
 @dataclass
@@ -15,16 +25,16 @@ class Detokenizer:
     prefix_offset: int = 0
     read_offset: int = 0
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def __post_init__(self) -> None:
+        self.decode = decoder(self.tokenizer)
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Append one token; return (new text safe to emit, whether a stop string was hit)."""
         self.token_ids.append(token_id)
         # Decode a small window so byte-level merges and leading spaces come out right; a trailing
         # U+FFFD means the token ends inside a multi-byte character, so wait for the next one.
-        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset:])
+        prefix = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self.decode(self.token_ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)

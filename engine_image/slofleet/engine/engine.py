@@ -258,7 +258,7 @@ class LLMEngine:
         rows = [i for i, (req, _) in enumerate(sched.scheduled) if req.num_computed_tokens >= req.num_tokens]
         if rows:
             reqs = [sched.scheduled[i][0] for i in rows]
-            tokens, logprobs = self.sampler.sample(logits[rows], reqs)
+            tokens, logprobs = self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], reqs)
             outputs += self._postprocess(reqs, tokens, logprobs)
         seconds = time.monotonic() - t0
         self.scheduler.recent_steps.append(seconds)

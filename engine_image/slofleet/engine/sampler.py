@@ -1,4 +1,13 @@
-"""Turn the last-position logits of a batch into next tokens, one row per request."""
+"""Turn the last-position logits of a batch into next tokens, one row per request.
+
+One tensor path for the whole batch, whatever mix of settings it holds: temperature, top-k, top-p and min-p are
+per-row tensors, and each row samples by inverse CDF from one uniform number (cumulative weights, then a binary
+search), so a seeded row draws a single number from its own generator and the other rows share one batched draw:
+a request's samples depend on its seed only, never on what it is batched with. Top-k/top-p look at the
+TOP_P_CANDIDATES most likely tokens (a top-k, far cheaper than sorting the vocabulary) and sort whole rows only
+when those hold less than top_p of the mass. Python loops run only over the rows that need something (penalties,
+min_tokens, seeds, logprobs); an all-greedy batch costs one max.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,47 +15,65 @@ import torch
 from .request import Request
 
 NEG_INF = float("-inf")
+TOP_P_CANDIDATES = 256
+
+
+def _pairs(rows: list[int], ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat (row, token id) index tensors for indexing and index_put_."""
+    r = torch.tensor(rows).repeat_interleave(torch.tensor([len(t) for t in ids]))
+    return r, torch.tensor([t for toks in ids for t in toks], dtype=torch.long)
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
     """Presence/frequency penalties on generated tokens (OpenAI), repetition penalty on prompt+output (HF/vLLM)."""
-    for row, req in enumerate(reqs):
-        p = req.params
-        if p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1.0:
-            continue
-        x = logits[row]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(req.token_ids())), dtype=torch.long, device=x.device)
-            vals = x[seen]
-            x[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if req.output_token_ids and (p.presence_penalty or p.frequency_penalty):
-            ids = torch.tensor(req.output_token_ids, dtype=torch.long, device=x.device)
-            counts = torch.zeros_like(x).index_add_(0, ids, torch.ones_like(ids, dtype=x.dtype))
-            x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    rep = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0]
+    if rep:
+        at = _pairs(rep, [list(set(reqs[i].token_ids())) for i in rep])
+        pen = torch.ones(len(reqs))
+        pen[rep] = torch.tensor([reqs[i].params.repetition_penalty for i in rep])
+        vals, pen = logits[at], pen[at[0]]
+        logits[at] = torch.where(vals > 0, vals / pen, vals * pen)
+    freq = [i for i, r in enumerate(reqs)
+            if r.output_token_ids and (r.params.presence_penalty or r.params.frequency_penalty)]
+    if freq:
+        at = _pairs(list(range(len(freq))), [reqs[i].output_token_ids for i in freq])
+        counts = torch.zeros(len(freq), logits.shape[1]).index_put_(at, torch.ones(len(at[1])), accumulate=True)
+        fp = torch.tensor([[reqs[i].params.frequency_penalty, reqs[i].params.presence_penalty] for i in freq])
+        logits[freq] -= fp[:, :1] * counts + fp[:, 1:] * (counts > 0)
 
 
 def block_stop_tokens(logits: torch.Tensor, reqs: list[Request], eos_ids: set[int]) -> None:
     """Before min_tokens are out, EOS and stop token ids cannot be sampled."""
-    for row, req in enumerate(reqs):
-        if len(req.output_token_ids) < req.params.min_tokens:
-            banned = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else eos_ids)
-            if banned:
-                logits[row, sorted(banned)] = NEG_INF
+    rows = [i for i, r in enumerate(reqs) if len(r.output_token_ids) < r.params.min_tokens]
+    banned = [sorted(set(reqs[i].params.stop_token_ids) | (set() if reqs[i].params.ignore_eos else eos_ids))
+              for i in rows]
+    if any(banned):
+        logits.index_put_(_pairs(rows, banned), torch.tensor(NEG_INF))
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, NEG_INF)
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, NEG_INF))
-    if min_p > 0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), NEG_INF)
-    return logits
+def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Candidate logits [n, K] (the dropped ones -inf) and their token ids (None: the whole row, in order) for rows
+    of logits [n, V] with per-row top_k (<= 0: off), top_p and min_p. Every row must restrict (top-k or top-p) or
+    none: the candidates of a restricting row are a prefix of its sorted vocabulary. Top-p applies to what top-k
+    leaves, min-p (relative to the most likely token, which renormalising does not change) to what both leave."""
+    vocab = logits.shape[1]
+    k_on, p_on = top_k > 0, top_p < 1
+    vals, ids = logits, None
+    if bool(k_on.any() | p_on.any()):
+        for size in (min(vocab, int(torch.where(k_on, top_k, TOP_P_CANDIDATES).max())), vocab):
+            vals, ids = torch.topk(logits, size) if size < vocab else torch.sort(logits, descending=True)
+            kth = vals.gather(1, torch.where(k_on, top_k.clamp(max=size), size)[:, None] - 1)
+            vals = vals.masked_fill(vals < kth, NEG_INF)  # ties with the k-th stay, as in vLLM
+            # top-k rows renormalise over what they keep (all among the candidates), the others over the whole row
+            probs = (vals - torch.where(k_on, vals.logsumexp(-1), logits.logsumexp(-1))[:, None]).exp()
+            if size == vocab or bool(((probs.sum(-1) >= top_p) | ~p_on).all()):
+                break
+        before = probs.cumsum(-1) - probs  # the mass ahead of each candidate: keep the smallest prefix reaching p
+        vals = vals.masked_fill(before >= top_p[:, None], NEG_INF)
+    if bool((min_p > 0).any()):
+        vals = vals.masked_fill((vals - vals.amax(-1, keepdim=True)).exp() < min_p[:, None], NEG_INF)
+    return vals, ids
 
 
 class Sampler:
@@ -58,40 +85,57 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    def _generator(self, req: Request) -> torch.Generator:
-        if req.params.seed is None:
-            return self.default_generator
-        gen = self.generators.get(req.request_id)
-        if gen is None:
-            gen = self.generators[req.request_id] = torch.Generator().manual_seed(req.params.seed)
-        return gen
+    def _uniforms(self, reqs: list[Request]) -> torch.Tensor:
+        u = torch.rand(len(reqs), dtype=torch.float64, generator=self.default_generator)
+        for row, req in enumerate(reqs):
+            if req.params.seed is not None:
+                gen = self.generators.get(req.request_id)
+                if gen is None:
+                    gen = self.generators[req.request_id] = torch.Generator().manual_seed(req.params.seed)
+                u[row] = torch.rand(1, dtype=torch.float64, generator=gen)
+        return u
+
+    def _random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Sampled tokens [n] for rows that are not greedy; logits is scaled in place."""
+        p = [r.params for r in reqs]
+        logits.div_(torch.tensor([x.temperature for x in p])[:, None])
+        top_k, top_p = torch.tensor([x.top_k for x in p]), torch.tensor([x.top_p for x in p])
+        min_p = torch.tensor([x.min_p for x in p])
+        u = self._uniforms(reqs)
+        out = torch.empty(len(reqs), dtype=torch.long)
+        restricts = (top_k > 0) | (top_p < 1)
+        for group in (restricts, ~restricts):  # candidates for the rows that restrict, whole rows for the others
+            rows = group.nonzero().squeeze(1)
+            if len(rows) == 0:
+                continue
+            whole = len(rows) == len(reqs)
+            vals, ids = filter_top_k_top_p(logits if whole else logits[rows], top_k[rows], top_p[rows], min_p[rows])
+            cdf = (vals - vals.amax(-1, keepdim=True)).exp_().cumsum(-1, dtype=torch.float64)
+            pick = torch.searchsorted(cdf, (u[rows] * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[1] - 1)
+            out[rows] = (pick if ids is None else ids.gather(1, pick)).squeeze(1)
+        return out
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict[int, float] | None]]:
-        """Next token per row, and the top-N log-probabilities (of the model's raw distribution) where asked."""
+        """Next token per row, and the top-N log-probabilities (of the model's raw distribution) where asked.
+        The logits are the sampler's to change: penalties and temperature are applied in place."""
         logits = logits.float().cpu()
-        raw_logprobs = None
-        if any(r.params.logprobs is not None for r in reqs):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        want_lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
         apply_penalties(logits, reqs)
         block_stop_tokens(logits, reqs, self.eos_ids)
-        tokens: list[int] = []
-        logprobs: list[dict[int, float] | None] = []
-        greedy = logits.argmax(dim=-1).tolist()
-        for row, req in enumerate(reqs):
-            p = req.params
-            if p.greedy:
-                tok = greedy[row]
-            else:
-                x = filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
-                tok = int(torch.multinomial(x.softmax(-1), 1, generator=self._generator(req)))
-            tokens.append(tok)
-            if p.logprobs is not None and raw_logprobs is not None:
-                lp = raw_logprobs[row]
-                top = torch.topk(lp, p.logprobs) if p.logprobs else None
-                entry = {tok: float(lp[tok])}
-                if top is not None:
-                    entry.update(zip(top.indices.tolist(), top.values.tolist()))
-                logprobs.append(entry)
-            else:
-                logprobs.append(None)
-        return tokens, logprobs
+        rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if len(rand) == len(reqs):
+            tokens = self._random(logits, reqs)
+        else:
+            tokens = logits.max(-1).indices  # the first maximum, like argmax, and several times faster on the CPU
+            if rand:
+                tokens[rand] = self._random(logits[rand], [reqs[i] for i in rand])
+        toks = tokens.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(reqs)
+        if raw_logprobs is not None:
+            top_v, top_i = torch.topk(raw_logprobs, max(reqs[i].params.logprobs for i in want_lp))
+            chosen = raw_logprobs.gather(1, torch.tensor([[toks[i]] for i in want_lp])).squeeze(1).tolist()
+            for i, c, v, t in zip(want_lp, chosen, top_v.tolist(), top_i.tolist()):
+                k = reqs[i].params.logprobs
+                logprobs[i] = {toks[i]: c, **dict(zip(t[:k], v[:k]))}
+        return toks, logprobs
