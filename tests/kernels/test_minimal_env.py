@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-BLOCKED = ("fastapi", "pydantic", "prometheus_client", "gguf")
+BLOCKED = ("fastapi", "pydantic", "prometheus_client", "gguf", "zmq", "msgpack", "cbor2")
 
 SCRIPT = textwrap.dedent(f"""
     import sys

@@ -49,6 +49,9 @@ ITL = "vllm:inter_token_latency_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 ROUTER_HELD = "slofleet:router_held_requests"  # the router's requests held while a role has no ready replica
 
+# -- KV events (`slofleet serve --kv-events-endpoint`: vLLM's wire format over ZMQ, engine/server/kv_events.py) ---
+KV_EVENTS_TOPIC = "kv"  # the topic is f"{KV_EVENTS_TOPIC}@{epoch}@{model}", the epoch new at every engine start
+
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: int | None = None) -> dict:

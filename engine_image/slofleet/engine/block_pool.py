@@ -1,9 +1,10 @@
-"""Fixed pool of KV blocks: ref counts, an LRU free list, and the prefix-cache map hash -> block."""
+"""Fixed pool of KV blocks: ref counts, an LRU free list, the prefix-cache map hash -> block, and (when a subscriber
+asks for them) the cache's changes as events."""
 from __future__ import annotations
 
 import array
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from .errors import PoolExhausted
@@ -14,6 +15,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
+    ext_hash: bytes | None = None  # its name in KV events, while cached
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
@@ -35,6 +37,9 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}
         self.enable_caching = enable_caching
         self.evictions = 0  # cached blocks reused for new content
+        # KV events, oldest first: ("stored", ext_hash, ext_parent, token_ids), ("removed", ext_hash), ("cleared",).
+        # None until a publisher (server/kv_events.py) sets a deque, which it drains from its own thread.
+        self.events: deque[tuple] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -62,7 +67,9 @@ class BlockPool:
             _, block = self.free.popitem(last=False)
             if block.block_hash is not None:  # evict the least recently used cached block
                 del self.cached[block.block_hash]
-                block.block_hash = None
+                if self.events is not None and block.ext_hash is not None:
+                    self.events.append(("removed", block.ext_hash))
+                block.block_hash = block.ext_hash = None
                 self.evictions += 1
             block.ref_count = 1
             out.append(block)
@@ -83,12 +90,18 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free[block.block_id] = block
 
-    def register(self, block: Block, block_hash: bytes) -> None:
+    def register(self, block: Block, block_hash: bytes, event: tuple | None = None) -> None:
+        """event: (ext_hash, ext_parent, token_ids) of the block, recorded when it enters the cache."""
         if self.enable_caching and block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            if self.events is not None and event is not None:
+                block.ext_hash = event[0]
+                self.events.append(("stored", *event))
 
     def reset_cache(self) -> None:
         for block in self.cached.values():
-            block.block_hash = None
+            block.block_hash = block.ext_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.append(("cleared",))

@@ -1,6 +1,7 @@
 """Per-request block tables over the block pool, with prefix-cache lookup and registration."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .block_pool import Block, BlockPool, hash_block
@@ -20,6 +21,10 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.tables: dict[str, list[Block]] = {}
         self.stats = PrefixStats()
+        # A second chain, for KV events (vLLM's, server/kv_events.py), set by their publisher: (parent or None for a
+        # chain's first block, token_ids) -> hash. Each request's is kept beside its own, so that a block's event can
+        # name its parent even after the parent left the cache.
+        self.external: Callable[[bytes | None, list[int]], bytes] | None = None
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -27,20 +32,26 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, ())]
 
-    def chain(self, token_ids: list[int], parent: bytes | None = None) -> list[bytes]:
+    def chain(self, token_ids: list[int], parent: bytes | None = None, hasher: Callable | None = None) -> list[bytes]:
         """The hash chain over every full block of token_ids, continuing from parent (default: the root)."""
-        out, bs, parent = [], self.block_size, parent or self.root
+        out, bs = [], self.block_size
+        hasher = hasher or (lambda p, tokens: hash_block(p or self.root, tokens))
         for i in range(len(token_ids) // bs):
-            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
+            parent = hasher(parent, token_ids[i * bs:(i + 1) * bs])
             out.append(parent)
         return out
 
-    def _update_hashes(self, req: Request, num_tokens: int) -> None:
-        """Extend the request's hash chain over every full block of its first num_tokens tokens."""
-        done, bs = len(req.block_hashes), self.block_size
+    def _extend(self, hashes: list[bytes], req: Request, num_tokens: int, hasher: Callable | None = None) -> None:
+        done, bs = len(hashes), self.block_size
         if num_tokens // bs > done:
             tokens = req.token_ids()[done * bs:num_tokens // bs * bs]
-            req.block_hashes += self.chain(tokens, req.block_hashes[-1] if done else None)
+            hashes += self.chain(tokens, hashes[-1] if done else None, hasher)
+
+    def _update_hashes(self, req: Request, num_tokens: int) -> None:
+        """Extend the request's hash chain(s) over every full block of its first num_tokens tokens."""
+        self._extend(req.block_hashes, req, num_tokens)
+        if self.external is not None:
+            self._extend(req.ext_hashes, req, num_tokens, self.external)
 
     def computed_blocks(self, req: Request) -> tuple[list[Block], int]:
         """Longest cached prefix of full blocks. The last token is always left to compute,
@@ -79,8 +90,10 @@ class KVCacheManager:
         self._update_hashes(req, num_total)
         # Hashes may run ahead of the table (computed for the whole prompt at lookup); register only
         # the blocks this allocation covers.
-        for i in range(req.num_computed_tokens // self.block_size, num_total // self.block_size):
-            self.pool.register(table[i], req.block_hashes[i])
+        bs, ext, ids = self.block_size, req.ext_hashes, req.token_ids() if self.external else None
+        for i in range(req.num_computed_tokens // bs, num_total // bs):
+            event = (ext[i], ext[i - 1] if i else None, ids[i * bs:(i + 1) * bs]) if ids else None
+            self.pool.register(table[i], req.block_hashes[i], event)
         return True
 
     def free(self, req: Request) -> None:

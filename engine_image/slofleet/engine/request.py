@@ -61,6 +61,7 @@ class Request:
     finish_reason: FinishReason | None = None
     events: list[tuple[Event, float]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    ext_hashes: list[bytes] = field(default_factory=list)  # vLLM's chain (KVCacheManager.external), when asked for
     export_kv: bool = False  # prefill role: hand the prompt's KV blocks out when the first token is sampled
     imported: KVPayload | None = None  # decode role: KV to load instead of computing the prompt
 

@@ -33,6 +33,7 @@ from .async_engine import AsyncEngine
 from .collector import DEFAULT_BUCKET, BucketLabels
 from .handoff import fetch_kv, is_loopback, mac, peer_base
 from .http import ApiError, from_engine, parse, read_body, unavailable
+from .kv_events import KVEventPublisher
 from .lifecycle import drain, for_role
 from .metrics import Metrics
 from .openai_format import chat_handlers, completion_handlers
@@ -56,6 +57,7 @@ class State:
         self.ready = False
         self.draining = False
         self.load_error: BaseException | None = None
+        self.kv_events: KVEventPublisher | None = None  # with --kv-events-endpoint
 
     @property
     def failure(self) -> BaseException | None:
@@ -64,6 +66,9 @@ class State:
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             engine = LLMEngine(self.config)
+            if self.settings.kv_events_endpoint:  # bound before ready: a taken port fails the start
+                self.kv_events = KVEventPublisher(engine, self.settings.kv_events_endpoint,
+                                                  self.settings.kv_events_replay_endpoint)
             warm = engine.add_request([engine.tokenizer.eos_token_id or 0],
                                       SamplingParams(max_tokens=2, ignore_eos=True))
             while not warm.finished:
@@ -301,6 +306,8 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
         yield
         if state.async_engine is not None:
             state.async_engine.stop()
+        if state.kv_events is not None:
+            state.kv_events.close()
         tracing.shutdown()
 
     app = FastAPI(title="slofleet engine", lifespan=lifespan)

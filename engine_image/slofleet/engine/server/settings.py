@@ -30,3 +30,9 @@ class ServerSettings:
         "help": "largest request body accepted; larger ones get 413 before they are parsed"})
     request_read_timeout: float = field(default=30.0, metadata={
         "help": "seconds a client may take to send its request body (slow senders get 408)"})
+    kv_events_endpoint: str = field(default="", metadata={
+        "help": "publish the prefix cache's changes as vLLM's KV events (ZMQ PUB, msgpack) on this address, e.g. "
+                "tcp://0.0.0.0:5557 (empty: off)"})
+    kv_events_replay_endpoint: str = field(default="", metadata={
+        "help": "answer replay requests for missed KV event batches (ZMQ ROUTER) on this address, e.g. "
+                "tcp://0.0.0.0:5558"})
