@@ -96,7 +96,9 @@ def test_unified_service_lifecycle(crds, namespace, operator):
         assert [(r["kind"], r["uid"], r["controller"]) for r in o["metadata"]["ownerReferences"]] == \
             [("LLMService", uid, True)]
     args = objs["Deployment/chat-unified"]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--bucket-priorities") + 1] == "chat=0,doc=5"
+    assert "--bucket-priorities" not in args  # the router gives each request its bucket's priority
+    policy = json.loads(objs["ConfigMap/chat-engine"]["data"]["policy.json"])
+    assert [(b["name"], b["priority"]) for b in policy["buckets"]] == [("chat", 0), ("doc", 5)]
     log(f"  children created: {time.monotonic() - t0:.1f}s")
 
     if crds.local:  # pods run on the test-only node runner, so the service goes Ready

@@ -54,6 +54,8 @@ def test_token_secret_env_and_network_policies(crds, namespace, operator):  # no
         {"podSelector": engine["podSelector"]},
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "slofleet-system"}},
          "podSelector": {"matchLabels": {"app.kubernetes.io/name": "slofleet-autoscaler"}}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "slofleet-system"}},
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "slofleet-operator"}}},
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gw"}}}]
     assert router == {"podSelector": {"matchLabels": {"slofleet.dev/service": "guard", "slofleet.dev/role": "router"}},
                       "policyTypes": ["Ingress"], "ingress": [{"ports": [{"protocol": "TCP", "port": 8080}]}]}

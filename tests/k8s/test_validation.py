@@ -75,7 +75,7 @@ def test_examples_are_accepted_and_defaulted(crds, namespace):
     assert got["spec"]["engine"]["port"] == 8000  # defaulted by the API server from the schema
     assert got["spec"]["engine"]["maxNumSeqs"] == 32  # given
     assert got["spec"]["autoscaling"] == {"enabled": False, "intervalSeconds": 15, "scaleDownStabilizationSeconds": 300,
-                                          "scaleUpStabilizationSeconds": 0, "signals": ["slo", "queue"],
+                                          "scaleUpStabilizationSeconds": 0, "signals": ["slo", "queue", "kvCache"],
                                           "targetKvCacheUsage": 0.8}
     assert got["spec"]["buckets"][1]["slo"] == {"percentile": 90, "ttftMs": 4000, "e2eMs": 30000}
     docs = crds.get("llmservice", "docs", namespace)

@@ -27,6 +27,9 @@ class StandInKube:
     def children(self, namespace: str, service: str) -> dict:
         return {}
 
+    def pods(self, namespace: str, service: str) -> list:
+        return []
+
     def apply(self, obj: dict) -> dict:
         raise self.error
 

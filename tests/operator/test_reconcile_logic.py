@@ -90,7 +90,7 @@ def test_the_router_is_deployed_in_front_of_the_engines():
                                 "--hold-timeout-seconds", "--policy", "--grace-period", "--host",
                                 "--max-model-len")] == \
         ["9090", "ns/s", "http", "1024", "30", "least-load", "20", "$(POD_IP)", "8192"]
-    # The buckets from the same ConfigMap the engines read; a policy change rolls the router too.
+    # The buckets from the ConfigMap, which it re-reads when it changes.
     assert arg(c, "--buckets") == "/etc/slofleet/policy.json"
     assert {"name": "config", "configMap": {"name": "s-engine"}} in pod["volumes"]
     assert d["template"]["metadata"]["annotations"] == \
@@ -166,7 +166,7 @@ def test_resources_and_gpus():
 
 def test_model_sources():
     emb = build(svc({"model": {"name": "default"}}))["Deployment/s-unified"]["spec"]["template"]["spec"]
-    assert [v["name"] for v in emb["volumes"]] == ["tmp", "cache", "config"] and "initContainers" not in emb
+    assert [v["name"] for v in emb["volumes"]] == ["tmp", "cache"] and "initContainers" not in emb
     pvc = build(svc({"model": {"name": "llama.gguf", "source": "pvc", "pvcName": "weights", "path": "/w"}}))
     pod = pvc["Deployment/s-unified"]["spec"]["template"]["spec"]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
@@ -178,27 +178,39 @@ def test_model_sources():
     assert arg(pod["containers"][0], "--model") == "/models/m"
 
 
-def test_buckets_reach_the_configmap_and_the_engine():
+def test_buckets_reach_the_router_and_without_it_the_engines():
     s = svc({"buckets": BUCKETS})
     objs = build(s)
     policy = json.loads(objs["ConfigMap/s-engine"]["data"]["policy.json"])
     assert [b["name"] for b in policy["buckets"]] == ["chat", "doc"]
     assert policy["buckets"][1]["match"] == {"minPromptTokens": 2000}
     assert policy["buckets"][1]["slo"] == {"percentile": 90.0, "e2eMs": 9000}
-    assert arg(engine(objs), "--bucket-priorities") == "chat=0,doc=5"
+    # Behind the router (which gives each request its bucket's priority) the engines do not read the buckets.
+    assert "--bucket-priorities" not in engine(objs)["args"]
+    assert arg(engine(build(svc({"buckets": BUCKETS, "router": {"enabled": False}}))), "--bucket-priorities") == \
+        "chat=0,doc=5"
     assert bucket_priorities([Bucket.model_validate(b) for b in BUCKETS]) == "chat=0,doc=5"
 
 
 def test_buckets_from_a_policy_when_the_spec_has_none():
     policy = [Bucket.model_validate(b) for b in BUCKETS[:1]]
-    objs = build(svc({"policyRef": "std"}), buckets=policy)
+    objs = build(svc({"policyRef": "std", "router": {"enabled": False}}), buckets=policy)
     assert arg(engine(objs), "--bucket-priorities") == "chat=0"
 
 
-def test_a_policy_change_rolls_the_pods():
-    a = build(svc({"buckets": BUCKETS}))["Deployment/s-unified"]["spec"]["template"]["metadata"]["annotations"]
-    b = build(svc({"buckets": BUCKETS[:1]}))["Deployment/s-unified"]["spec"]["template"]["metadata"]["annotations"]
-    assert a["slofleet.dev/config-hash"] != b["slofleet.dev/config-hash"]
+def templates(objs: dict) -> dict:
+    return {k: o["spec"]["template"] for k, o in objs.items() if o["kind"] == "Deployment"}
+
+
+def test_a_bucket_change_rolls_no_pod_and_a_new_token_rolls_them_all():
+    changed = [{**BUCKETS[0], "priority": 3, "slo": {"percentile": 90, "ttftMs": 100, "e2eMs": 2000},
+                "admission": {"maxWaitingRequests": 4}}, BUCKETS[1]]
+    before, after = build(svc({"buckets": BUCKETS})), build(svc({"buckets": changed}))
+    assert templates(before) == templates(after)  # the router re-reads the ConfigMap; the engines never read it
+    assert before["ConfigMap/s-engine"] != after["ConfigMap/s-engine"]
+    rolled = templates(build(svc({"buckets": BUCKETS}), internal_token="n3w"))
+    assert all(t["metadata"]["annotations"] != rolled[k]["metadata"]["annotations"]
+               for k, t in templates(before).items())
 
 
 def test_service_monitor_only_when_its_crd_exists():

@@ -68,7 +68,7 @@ def test_no_network_policy_unless_the_api_server_serves_them():
     assert not [k for k in build(svc()) if k.startswith("NetworkPolicy/")]
 
 
-def test_engines_take_ingress_only_from_the_router_their_peers_and_the_autoscaler():
+def test_engines_take_ingress_only_from_the_router_their_peers_the_autoscaler_and_the_operator():
     objs = build(svc({"topology": DISAGG, "engine": {"port": 8123}}), network_policy=True)
     assert sorted(k for k in objs if k.startswith("NetworkPolicy/")) == ["NetworkPolicy/s-engine",
                                                                           "NetworkPolicy/s-router"]
@@ -83,7 +83,10 @@ def test_engines_take_ingress_only_from_the_router_their_peers_and_the_autoscale
             {"podSelector": {"matchLabels": {"slofleet.dev/service": "s", "slofleet.dev/role": "router"}}},
             {"podSelector": engines},
             {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "slofleet-system"}},
-             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "slofleet-autoscaler"}}}]}]}
+             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "slofleet-autoscaler"}}},
+            # the operator reads in-flight work and drains an engine before a scale-down removes it
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "slofleet-system"}},
+             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "slofleet-operator"}}}]}]}
     # The policy selects exactly the pods of every engine Deployment, and not the router's.
     for role in ("prefill", "decode"):
         pod_labels = objs[f"Deployment/s-{role}"]["spec"]["template"]["metadata"]["labels"]
@@ -108,8 +111,9 @@ def test_the_router_takes_requests_from_anywhere_on_its_port():
 def test_a_gateway_namespace_and_the_autoscalers_namespace_are_let_in():
     objs = build(svc({"network": {"gatewayNamespace": "gw"}}), network_policy=True, autoscaler_namespace="ops")
     sources = objs["NetworkPolicy/s-engine"]["spec"]["ingress"][0]["from"]
-    assert sources[2]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}
-    assert sources[3] == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gw"}}}
-    assert len(sources) == 4
+    assert sources[2]["namespaceSelector"] == sources[3]["namespaceSelector"] == \
+        {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}
+    assert sources[4] == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gw"}}}
+    assert len(sources) == 5
     with pytest.raises(ValidationError, match="gatewayNamespace|gateway_namespace"):
         svc({"network": {"gatewayNamespace": "Not_A_Namespace"}})

@@ -38,6 +38,9 @@ INVALID = [
      "spec.model",
      "model.source init needs model.initImage and model.initCommand"),
     ("block size not a power of two", {"engine": {"blockSize": 24}}, "spec.engine", "blockSize must be a power of two"),
+    ("two gpus per engine", {"engine": {"gpus": 2}}, "spec.engine",
+     "engine.gpus > 1 is not supported: an engine process runs on one GPU (no tensor parallelism); use gpus: 1 and "
+     "more replicas"),
 ]
 # Schema (non-CEL) rules: one of each kind the CRD uses.
 INVALID_SCHEMA = [

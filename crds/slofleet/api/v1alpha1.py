@@ -82,9 +82,13 @@ def engine_field(name: str):
     return Field(s.default, description=s.help, **{k: v for k, v in bounds.items() if v is not None})
 
 
+GPUS_MESSAGE = ("engine.gpus > 1 is not supported: an engine process runs on one GPU (no tensor parallelism); "
+                "use gpus: 1 and more replicas")
+
+
 def _engine_rules() -> dict:
     """CEL for the rules a JSON schema cannot say (a power of two), over the shared settings."""
-    pairs = []
+    pairs = [("self.gpus <= 1", GPUS_MESSAGE)]
     for name, s in ENGINE_SETTINGS.items():
         if s.power_of_two:
             powers = [2 ** i for i in range(int(s.maximum).bit_length()) if 2 ** i <= s.maximum]
@@ -100,7 +104,8 @@ class Engine(_Model):
     port: int = Field(DEFAULT_ENGINE_PORT, ge=1, le=65535,
                       description="HTTP port of the OpenAI API, /health, /ready, /metrics")
     resources: Resources = Field({})
-    gpus: int = Field(0, ge=0, le=16, description="GPUs per pod (nvidia.com/gpu); >0 adds GPU tolerations")
+    gpus: int = Field(0, ge=0, le=16, description="GPUs per pod (nvidia.com/gpu): 0 or 1 (an engine uses one); 1 "
+                      "adds GPU tolerations")
     dtype: Literal["auto", "float32", "bfloat16"] = engine_field("dtype")
     block_size: int = engine_field("block_size")
     kv_cache_memory_gb: float = engine_field("kv_cache_memory_gb")
@@ -112,7 +117,9 @@ class Engine(_Model):
     max_queued_tokens: int = engine_field("max_queued_tokens")
     startup_seconds: int = Field(300, ge=10, description="how long model loading may take before liveness applies")
     drain_seconds: int = Field(DEFAULT_GRACE_SECONDS, ge=1,
-                               description="on SIGTERM, in-flight requests get this long to finish")
+                               description="on SIGTERM (a rollout, an eviction), in-flight requests get this long to "
+                               "finish; the autoscaler scales down only when typical requests fit in it. A scale-down "
+                               "drains a pod before removing it, however long its requests run")
     price_per_hour: float = Field(0.0, ge=0, description="what one engine pod costs per hour (any currency), for "
                                   "the cost counters per bucket")
     env: dict[str, str] = Field({}, description="extra environment for the engine container")
@@ -123,6 +130,7 @@ class Engine(_Model):
     @model_validator(mode="after")
     def _shared_rules(self) -> Engine:
         problems = [s.problem(name, getattr(self, name)) for name, s in ENGINE_SETTINGS.items()]
+        problems.append(GPUS_MESSAGE if self.gpus > 1 else None)
         if any(problems):
             raise ValueError("; ".join(p for p in problems if p))
         return self
@@ -190,7 +198,8 @@ class SLO(_Model):
 
 
 class Admission(_Model):
-    """Per-bucket admission limits; beyond them the router answers 429 with Retry-After."""
+    """Per-bucket admission limits; beyond them the router answers 429 with Retry-After. They hold for the
+    service as a whole: each of `router.replicas` routers enforces its share (status.routerAdmission)."""
     max_waiting_requests: int | None = Field(None, ge=0)
     max_queued_tokens: int | None = Field(None, ge=0)
     max_requests_per_second: float | None = Field(None, gt=0)
@@ -208,14 +217,36 @@ def _unique_buckets() -> dict:
     return _rules(("self.all(b, self.exists_one(c, c.name == b.name))", "bucket names must be unique"))
 
 
+SIGNALS = ("slo", "queue", "kvCache")
+
+
 class Autoscaling(_Model):
     """Whether and how the autoscaler moves replicas between each pool's bounds."""
-    enabled: bool = False
-    signals: list[Literal["slo", "queue", "kvCache"]] = Field(["slo", "queue"], max_length=3)
-    interval_seconds: int = Field(15, ge=1, le=3600)
-    scale_up_stabilization_seconds: int = Field(0, ge=0, le=3600)
-    scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600)
-    target_kv_cache_usage: float = Field(0.8, gt=0, le=1)
+    enabled: bool = Field(False, description="off: the pools run their fixed `replicas` (status.buckets is written "
+                          "either way)")
+    signals: list[Literal[SIGNALS]] = Field(list(SIGNALS), max_length=3, description="what adds replicas beside the "
+                                            "arrival-rate forecast: slo (a bucket's attainment below its percentile), "
+                                            "queue (waiting requests per replica), kvCache (KV usage over "
+                                            "targetKvCacheUsage, or preemptions)")
+    interval_seconds: int = Field(15, ge=1, le=3600, description="seconds between decisions")
+    scale_up_stabilization_seconds: int = Field(0, ge=0, le=3600, description="scale up only to the lowest "
+                                                "recommendation of this window (0: at once)")
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600, description="scale down only to the highest "
+                                                  "recommendation of this window")
+    target_kv_cache_usage: float = Field(0.8, gt=0, le=1, description="KV usage above which the kvCache signal adds "
+                                         "replicas, and that a scale-down must not push the remaining ones over")
+
+
+class RouterAuth(_Model):
+    """API keys and their quotas, from a Secret the router mounts and re-reads within seconds of a change."""
+    secret_name: str = Field(..., min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                             description="Secret in the service's namespace that holds the keys")
+    key: str = Field("keys", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+                     description="the Secret's key whose value lists the API keys, one a line: "
+                     "`KEY [name=LABEL] [rpm=N] [tpm=N]` (requests and tokens per minute, 0: unlimited)")
+    requests_per_minute: float = Field(0, ge=0, description="quota of a key whose line sets no rpm (0: unlimited)")
+    tokens_per_minute: float = Field(0, ge=0, description="quota of a key whose line sets no tpm (0: unlimited); a "
+                                     "request is charged its prompt plus the output it allows")
 
 
 class Router(_Model):
@@ -230,6 +261,7 @@ class Router(_Model):
                                       "(scale from zero) before it gets 503")
     resources: Resources = Field({"requests": {"cpu": "100m", "memory": "128Mi"},
                                   "limits": {"cpu": "1", "memory": "512Mi"}})
+    auth: RouterAuth | None = Field(None, description="API keys: absent, the router takes requests without a key")
 
 
 class Network(_Model):
@@ -301,6 +333,11 @@ class BucketStatus(_Model):
     time: str | None = Field(None, description="when these figures were read (RFC 3339)")
 
 
+class BucketAdmission(Admission):
+    """A bucket's admission limits as each router replica enforces them."""
+    name: str
+
+
 class LLMServiceStatus(_Model):
     observed_generation: int | None = None
     endpoint: str | None = None
@@ -310,6 +347,9 @@ class LLMServiceStatus(_Model):
     buckets: list[BucketStatus] = Field([], description="written by the autoscaler only, for every LLMService")
     attainment: float | None = Field(None, description="the lowest attainment in `buckets` (written with them), "
                                      "shown by `kubectl get llms`")
+    router_admission: list[BucketAdmission] = Field([], description="each bucket's admission limits divided among "
+                                                     "the router replicas (at least 1 where a limit is set): what "
+                                                     "each router enforces")
 
 
 class LLMService(_Model):

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 
 from slofleet.api.contract import DECODE, ROLE_LABEL, SERVICE_LABEL, UNIFIED
-from slofleet.api.v1alpha1 import API_VERSION, Bucket, LLMService, Pool, RoleAutoscaling
+from slofleet.api.v1alpha1 import API_VERSION, Admission, Bucket, BucketAdmission, LLMService, Pool, RoleAutoscaling
 from slofleet.operator import router, trust
 from slofleet.operator.podspec import labels, pod_template
 
@@ -53,21 +53,37 @@ def _meta(svc: LLMService, name: str, role: str | None = None) -> dict:
             "labels": labels(svc.metadata["name"], role), "ownerReferences": [owner_reference(svc)]}
 
 
+def router_admission(svc: LLMService, buckets: list[Bucket]) -> list[BucketAdmission]:
+    """Each bucket's admission limits as each router replica enforces them: the service's divided among the
+    replicas, so that together they hold (a count at least 1, or a router could admit nothing)."""
+    n = svc.spec.router.replicas
+    count = lambda v: v if not v else max(1, v // n)  # noqa: E731 (None: no limit, 0: refuse all)
+    return [BucketAdmission(name=b.name, max_waiting_requests=count(a.max_waiting_requests),
+                            max_queued_tokens=count(a.max_queued_tokens),
+                            max_requests_per_second=a.max_requests_per_second and a.max_requests_per_second / n)
+            for b in buckets if (a := b.admission) != Admission()]
+
+
 def config_map(svc: LLMService, inputs: Inputs) -> dict:
-    """The bucket policy the engines (and the router) read from /etc/slofleet/policy.json."""
-    policy = {"model": svc.spec.model.wire(), "buckets": [b.wire() for b in inputs.buckets],
+    """The buckets the router reads from its mounted policy.json (and re-reads when it changes), with each
+    router replica's share of their admission limits."""
+    shares = {a.name: a for a in router_admission(svc, inputs.buckets)}
+    buckets = [b.model_copy(update={"admission": Admission.model_validate(shares[b.name].model_dump(exclude={"name"}))})
+               if b.name in shares else b for b in inputs.buckets]
+    policy = {"model": svc.spec.model.wire(), "buckets": [b.wire() for b in buckets],
               "topology": svc.spec.topology.mode}
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(svc, f"{svc.metadata['name']}-engine"),
             "data": {"policy.json": json.dumps(policy, sort_keys=True, indent=2)}}
 
 
-def config_hash(cm: dict, token: str) -> str:
-    # In the pod template, so that a policy change rolls the pods that read it, and a new token (a Secret edited
-    # or deleted and drawn anew) rolls them all: a container reads its env from the Secret only when it starts.
-    return hashlib.sha256(json.dumps([cm["data"], token], sort_keys=True).encode()).hexdigest()[:16]
+def config_hash(token: str) -> str:
+    # In the pod templates, so that a new token (a Secret edited or deleted and drawn anew) rolls every pod: a
+    # container reads its env from the Secret only when it starts. The buckets are not in it: the router re-reads
+    # them, and the engines take them as flags only without a router.
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
 
 
-def deployment(svc: LLMService, role: str, count: int, inputs: Inputs, cm: dict) -> dict:
+def deployment(svc: LLMService, role: str, count: int, inputs: Inputs) -> dict:
     name = svc.metadata["name"]
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(svc, f"{name}-{role}", role),
@@ -76,8 +92,7 @@ def deployment(svc: LLMService, role: str, count: int, inputs: Inputs, cm: dict)
             "selector": {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: role}},
             # Surge, never drop below the count: a new engine must load its model before an old one drains.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": pod_template(svc, role, inputs.buckets, cm["metadata"]["name"],
-                                     config_hash(cm, inputs.internal_token)),
+            "template": pod_template(svc, role, inputs.buckets, config_hash(inputs.internal_token)),
         },
     }
 
@@ -112,10 +127,10 @@ def desired(svc: LLMService, inputs: Inputs) -> list[dict]:
     auto = svc.spec.autoscaling.enabled
     for role, pool in svc.spec.topology.pools().items():
         count = replicas(pool, auto, svc.status.autoscaling.get(role))
-        out += [deployment(svc, role, count, inputs, cm), service(svc, role)]
+        out += [deployment(svc, role, count, inputs), service(svc, role)]
     if svc.spec.router.enabled:
         out += router.children(svc, owner, inputs.router_cluster_role, cm["metadata"]["name"],
-                               config_hash(cm, inputs.internal_token))
+                               config_hash(inputs.internal_token))
     out.append(pdb(svc))
     if inputs.service_monitor:
         out.append(service_monitor(svc))

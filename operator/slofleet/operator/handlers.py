@@ -2,8 +2,9 @@
 
 Triggers: the resource's create/update/resume, its autoscaler decision (status.autoscaling) and bucket verdicts
 (status.buckets[].met); any event on a child (a deleted or edited Deployment is restored at once, and Deployment
-status changes refresh the LLMService status); and a resync timer as a backstop for anything a watch missed
-(and for pods, which are not watched: a crash loop reaches Degraded at the next resync).
+status changes refresh the LLMService status); every 2 s while a scale-down waits for drained pods to empty
+(drain.py); and a resync timer as a backstop for anything a watch missed (and for pods, which are not watched: a
+crash loop reaches Degraded at the next resync).
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import kopf
 
 from slofleet.api.contract import MANAGED_BY
 from slofleet.api.v1alpha1 import GROUP, VERSION
+from slofleet.operator import drain, metrics, router, trust
 from slofleet.operator import kube as kube_mod
-from slofleet.operator import metrics, router, trust
-from slofleet.operator.reconcile import reconcile
+from slofleet.operator.reconcile import Outcome, reconcile
 
 PLURAL = "llmservices"
 RETRY_SECONDS = 10  # after a failure a retry may cure (API server unreachable, a conflict, throttling, a bug)
@@ -47,7 +48,10 @@ def run_reconcile(body: dict, trigger: str) -> None:
         _running.add(key)
     try:
         while True:
-            reconcile_once(body, trigger)
+            if reconcile_once(body, trigger).requeue:
+                again = threading.Timer(drain.REQUEUE_SECONDS, refresh, key + ("drain",))
+                again.daemon = True
+                again.start()
             with _guard:
                 if key not in _dirty:
                     return
@@ -62,7 +66,14 @@ def run_reconcile(body: dict, trigger: str) -> None:
             _dirty.discard(key)
 
 
-def reconcile_once(body: dict, trigger: str) -> None:
+def refresh(namespace: str, name: str, trigger: str) -> None:
+    """Reconcile a service again on a fresh read (a drain in progress is watched this way)."""
+    fresh = kube().get(f"{GROUP}/{VERSION}", "LLMService", namespace, name)
+    if fresh is not None and not fresh["metadata"].get("deletionTimestamp"):
+        run_reconcile(fresh, trigger)
+
+
+def reconcile_once(body: dict, trigger: str) -> Outcome:
     start = time.monotonic()
     try:
         out = reconcile(kube(), body, _router_cluster_role, _autoscaler_namespace)
@@ -83,6 +94,7 @@ def reconcile_once(body: dict, trigger: str) -> None:
             kopf.info(body, reason=action.capitalize(), message=f"{action} {', '.join(items)} ({trigger})")
     for w in out.warnings:
         kopf.warn(body, reason="PolicyNotFound", message=w)
+    return out
 
 
 def register(resync_seconds: float, router_cluster_role: str, autoscaler_namespace: str) -> None:

@@ -105,3 +105,12 @@ class Kube:
         # A merge patch of the operator's own status fields; status.autoscaling (the autoscaler's) is untouched.
         self._res(API_VERSION, "LLMService").status.patch(
             name=name, namespace=namespace, body={"status": status}, content_type="application/merge-patch+json")
+
+    def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
+        """A merge patch of a pod's annotations (None removes one); a pod gone meanwhile is no error."""
+        try:
+            self._res("v1", "Pod").patch(name=name, namespace=namespace,
+                                         body={"metadata": {"annotations": annotations}},
+                                         content_type="application/merge-patch+json")
+        except NotFoundError:
+            pass

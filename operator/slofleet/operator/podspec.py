@@ -11,11 +11,13 @@ from slofleet.api.contract import (
 )
 from slofleet.api.v1alpha1 import Bucket, LLMService
 
-CONFIG_DIR = "/etc/slofleet"
 MODEL_VOLUME = "model"
 GPU = "nvidia.com/gpu"
+DRAIN_DELAY_SECONDS = 2  # after SIGTERM, /ready answers 503 this long before the listener closes
+# The kubelet's SIGKILL comes drainSeconds + this after SIGTERM: past the whole SIGTERM sequence of the engine and
+# the router (the drain delay, then drainSeconds for open requests, then their error answers).
 DRAIN_SLACK_SECONDS = 10
-CONFIG_HASH = "slofleet.dev/config-hash"  # pod template annotation: a policy change rolls the pods that read it
+CONFIG_HASH = "slofleet.dev/config-hash"  # pod template annotation: a new internal token rolls the pods
 CACHE_DIR = "/var/cache/slofleet"
 SCRATCH_ENV = {"HOME": "/tmp", "TMPDIR": "/tmp", "SLOFLEET_CACHE": CACHE_DIR}
 
@@ -71,10 +73,13 @@ def serve_args(svc: LLMService, role: str, buckets: list[Bucket]) -> list[str]:
     # Requests name the model as the service (as in KubeAI) or its servedName; the engine adds the weights' name.
     args = ["--host", "$(POD_IP)", *flag("port", e.port), "--model", model_arg(svc),
             "--served-model-name", svc.spec.model.served_name or svc.metadata["name"], "--role", role,
-            *flag("grace_period", e.drain_seconds), *flag("price_per_hour", e.price_per_hour)]
+            *flag("grace_period", e.drain_seconds), *flag("drain_delay", DRAIN_DELAY_SECONDS),
+            *flag("price_per_hour", e.price_per_hour)]
     for name in ENGINE_SETTINGS:
         args += flag(name, getattr(e, name))
-    if buckets:
+    # Behind the router every request comes with its bucket's priority, so the engines need the buckets only when
+    # clients call them directly: a bucket edit then reaches the router and autoscaler without rolling the engines.
+    if buckets and not svc.spec.router.enabled:
         args += ["--bucket-priorities", bucket_priorities(buckets)]
     return args + list(e.args)
 
@@ -93,14 +98,12 @@ def probe(path: str, port: int, period: int, failures: int) -> dict:
             "timeoutSeconds": 2}
 
 
-def _volumes(svc: LLMService, config_map: str) -> tuple[list[dict], list[dict], list[dict]]:
-    """(volumes, engine mounts, init containers) for scratch space, the bucket policy and the model weights."""
+def _volumes(svc: LLMService) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumes, engine mounts, init containers) for scratch space and the model weights."""
     m = svc.spec.model
     # The root filesystem is read-only: /tmp (HOME and TMPDIR) and the converted-model cache are emptyDirs.
-    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}},
-               {"name": "config", "configMap": {"name": config_map}}]
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR},
-              {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
     inits: list[dict] = []
     if m.source == "pvc":
         volumes.append({"name": MODEL_VOLUME, "persistentVolumeClaim": {"claimName": m.pvc_name, "readOnly": True}})
@@ -115,12 +118,11 @@ def _volumes(svc: LLMService, config_map: str) -> tuple[list[dict], list[dict], 
     return volumes, mounts, inits
 
 
-def pod_template(svc: LLMService, role: str, buckets: list[Bucket], config_map: str, config_hash: str) -> dict:
+def pod_template(svc: LLMService, role: str, buckets: list[Bucket], config_hash: str) -> dict:
     name, e = svc.metadata["name"], svc.spec.engine
-    volumes, mounts, inits = _volumes(svc, config_map)
+    volumes, mounts, inits = _volumes(svc)
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-           {"name": "SLOFLEET_CONFIG_DIR", "value": CONFIG_DIR}]
+           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     user = {k: v for k, v in e.env.items() if k != INTERNAL_TOKEN_ENV}  # the token comes from the Secret alone
     env += [{"name": k, "value": v} for k, v in sorted({**SCRATCH_ENV, **user}.items())]  # the user's win
     env.append(token_env(svc))
@@ -139,7 +141,6 @@ def pod_template(svc: LLMService, role: str, buckets: list[Bucket], config_map: 
     }
     spec: dict = {
         "containers": [container], "volumes": volumes,
-        # The engine drains for drain_seconds after SIGTERM; the kubelet waits a little longer before SIGKILL.
         "terminationGracePeriodSeconds": e.drain_seconds + DRAIN_SLACK_SECONDS,
         "securityContext": restricted(pod=True),
         "automountServiceAccountToken": False,  # an engine never calls the API server

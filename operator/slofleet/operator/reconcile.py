@@ -6,11 +6,12 @@ an event on a child) and from tests.
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass, field
 
-from slofleet.api.contract import ROLE_LABEL, now
+from slofleet.api.contract import ROLE_LABEL, ROUTER, now, parse_time
 from slofleet.api.v1alpha1 import Bucket, LLMService, SLOPolicy
-from slofleet.operator import children, podspec, router, status, trust
+from slofleet.operator import children, drain, engines, podspec, router, status, trust
 from slofleet.operator.kube import Kube
 
 
@@ -21,6 +22,7 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     status: dict = field(default_factory=dict)
+    requeue: float | None = None  # seconds until this service should be reconciled again (a drain in progress)
 
 
 def resolve_buckets(kube: Kube, svc: LLMService, out: Outcome) -> list[Bucket]:
@@ -46,6 +48,9 @@ def reconcile(kube: Kube, body: dict, router_cluster_role: str = router.DEFAULT_
                              network_policy=kube.has_kind("networking.k8s.io/v1", "NetworkPolicy"),
                              router_cluster_role=router_cluster_role, autoscaler_namespace=autoscaler_namespace)
     wanted = children.desired(svc, inputs)
+    pods = status.by_role(kube.pods(ns, name))  # a crash loop shows in pods, not in the Deployment
+    if scale_down_losslessly(kube, svc, wanted, existing, pods, token):
+        out.requeue = drain.REQUEUE_SECONDS
     applied: dict[str, dict] = {}
     for obj in wanted:
         key = (obj["kind"], obj["metadata"]["name"])
@@ -63,16 +68,50 @@ def reconcile(kube: Kube, body: dict, router_cluster_role: str = router.DEFAULT_
             kube.delete(obj)
             out.deleted.append(f"{kind}/{child}")
     roles = {}
-    pods = status.by_role(kube.pods(ns, name))  # a crash loop shows in pods, not in the Deployment
     for d in wanted:
         if d["kind"] == "Deployment":
             role = d["metadata"]["labels"][ROLE_LABEL]
             roles[role] = status.observe(applied[f"Deployment/{d['metadata']['name']}"], d["spec"]["replicas"],
                                          pods.get(role, []))
     previous = body.get("status") or {}
+    admission = children.router_admission(svc, inputs.buckets) if svc.spec.router.enabled else []
     out.status = status.status_patch(roles, svc.metadata.get("generation", 0), children.endpoint(svc),
-                                     previous.get("conditions") or [], now(), previous.get("buckets") or [])
+                                     previous.get("conditions") or [], now(), previous.get("buckets") or [],
+                                     [a.wire() for a in admission])
     # A role that left the topology leaves the status too (null deletes it in a merge patch).
     out.status["roles"].update({r: None for r in previous.get("roles") or {} if r not in roles})
     kube.patch_status(ns, name, out.status)
     return out
+
+
+def scale_down_losslessly(kube: Kube, svc: LLMService, wanted: list[dict], existing: dict, pods: dict[str, list[dict]],
+                          token: str) -> bool:
+    """Drain the engine pods a lower count removes before lowering it (drain.py): sets each engine Deployment's
+    replicas in `wanted` to what it may have now. True while a drained pod still has work."""
+    ns, waiting = svc.metadata["namespace"], False
+    for d in wanted:
+        role = d["metadata"]["labels"].get(ROLE_LABEL)
+        if d["kind"] != "Deployment" or role == ROUTER:
+            continue
+        before = existing.get(("Deployment", d["metadata"]["name"]))
+        current, want = (before or {}).get("spec", {}).get("replicas"), d["spec"]["replicas"]
+        live = [p for p in pods.get(role, []) if not p["metadata"].get("deletionTimestamp")]
+        urls = {p["metadata"]["name"]: engines.url_of(p, svc.spec.engine.port) for p in live}
+        load = {n: engines.in_flight(u) for n, u in urls.items()} if drain.scaling_down(current, want) else {}
+        age = {p["metadata"]["name"]: time.time() - parse_time(since)
+               for p in live if (since := drain.draining_since(p))}
+        plan = drain.plan(current, want, live, load, age)
+        d["spec"]["replicas"] = plan.replicas
+        notes = {p["metadata"]["name"]: p["metadata"].get("annotations") or {} for p in live}
+        for n in plan.drain:
+            engines.set_draining(urls[n], token, True)  # before the annotation: the pod goes not ready at once
+        for n in plan.resume:
+            engines.set_draining(urls[n], token, False)
+        for n, note in notes.items():
+            change = {drain.DRAINING: (note.get(drain.DRAINING) or now()) if n in plan.drain else None,
+                      drain.DELETION_COST: str(plan.costs[n]) if n in plan.costs else note.get(drain.DELETION_COST)}
+            change = {k: v for k, v in change.items() if note.get(k) != v}
+            if change:
+                kube.annotate_pod(ns, n, change)
+        waiting |= plan.waiting
+    return waiting

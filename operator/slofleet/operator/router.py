@@ -11,8 +11,8 @@ from __future__ import annotations
 from slofleet.api.contract import ROLE_LABEL, ROUTER, SERVICE_LABEL
 from slofleet.api.v1alpha1 import LLMService
 from slofleet.operator.podspec import (
-    CONFIG_DIR,
     CONFIG_HASH,
+    DRAIN_DELAY_SECONDS,
     DRAIN_SLACK_SECONDS,
     labels,
     probe,
@@ -22,6 +22,10 @@ from slofleet.operator.podspec import (
 
 ROLE = ROUTER
 DEFAULT_CLUSTER_ROLE = "slofleet-router"
+# The buckets (the ConfigMap's policy.json) and the API keys (spec.router.auth's Secret): mounted, and re-read by the
+# router when they change, so neither rolls its pods.
+CONFIG_DIR = "/etc/slofleet"
+AUTH_DIR = "/etc/slofleet-auth"
 
 
 def name_of(svc: LLMService) -> str:
@@ -42,7 +46,16 @@ def router_args(svc: LLMService) -> list[str]:
             # what a request without max_tokens is charged for, even before an engine is up to say it
             "--max-model-len", str(svc.spec.engine.max_model_len),
             # open streams get as long to finish as the engines give theirs
-            "--grace-period", str(svc.spec.engine.drain_seconds)]
+            "--grace-period", str(svc.spec.engine.drain_seconds), "--drain-delay", str(DRAIN_DELAY_SECONDS),
+            *auth_args(svc)]
+
+
+def auth_args(svc: LLMService) -> list[str]:
+    a = svc.spec.router.auth
+    if a is None:
+        return []
+    return ["--api-keys-file", f"{AUTH_DIR}/{a.key}", "--rpm", f"{a.requests_per_minute:g}",
+            "--tpm", f"{a.tokens_per_minute:g}"]
 
 
 def pod_template(svc: LLMService, config_map: str, config_hash: str) -> dict:
@@ -62,11 +75,13 @@ def pod_template(svc: LLMService, config_map: str, config_hash: str) -> dict:
                          {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
         "securityContext": restricted(),
     }
+    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "config", "configMap": {"name": config_map}}]
+    if r.auth is not None:  # without its Secret the pod waits, as a router without its keys must not serve
+        volumes.append({"name": "auth", "secret": {"secretName": r.auth.secret_name}})
+        container["volumeMounts"].append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
     # It keeps its ServiceAccount token: it lists the engines' EndpointSlices.
     return {"metadata": {"labels": router_labels(svc), "annotations": {CONFIG_HASH: config_hash}},
-            "spec": {"serviceAccountName": name_of(svc), "containers": [container],
-                     "volumes": [{"name": "tmp", "emptyDir": {}},
-                                 {"name": "config", "configMap": {"name": config_map}}],
+            "spec": {"serviceAccountName": name_of(svc), "containers": [container], "volumes": volumes,
                      "terminationGracePeriodSeconds": e.drain_seconds + DRAIN_SLACK_SECONDS,
                      "securityContext": restricted(pod=True)}}
 

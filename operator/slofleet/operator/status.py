@@ -114,12 +114,13 @@ def conditions(roles: dict[str, RoleObservation], generation: int, previous: lis
 
 
 def status_patch(roles: dict[str, RoleObservation], generation: int, endpoint: str, previous: list[dict],
-                 now: str, buckets: list[dict] = ()) -> dict:
+                 now: str, buckets: list[dict] = (), router_admission: list[dict] = ()) -> dict:
     """The operator's part of .status; .status.autoscaling and .status.buckets belong to the autoscaler and are left
-    alone (`buckets` is what it wrote, read for SLOMet)."""
+    alone (`buckets` is what it wrote, read for SLOMet). `router_admission`: what each router enforces."""
     return {
         "observedGeneration": generation,
         "endpoint": endpoint,
+        "routerAdmission": list(router_admission),
         "roles": {r: {"replicas": o.replicas, "readyReplicas": o.ready, "desiredReplicas": o.desired}
                   for r, o in roles.items()},
         "conditions": conditions(roles, generation, previous, now, buckets),

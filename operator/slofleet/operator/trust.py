@@ -15,9 +15,11 @@ from slofleet.operator import router
 from slofleet.operator.podspec import labels, secret_name
 
 # Where the autoscaler runs (the operator's namespace in manifests/ and the chart) and its pods' label: it scrapes
-# each engine's /metrics.
+# each engine's /metrics. The operator's pods, beside it, read an engine's in-flight work and drain it before a
+# scale-down removes it (drain.py).
 AUTOSCALER_NAMESPACE = "slofleet-system"
 AUTOSCALER_LABELS = {"app.kubernetes.io/name": "slofleet-autoscaler"}
+OPERATOR_LABELS = {"app.kubernetes.io/name": "slofleet-operator"}
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"  # set on every namespace by the API server
 
 
@@ -49,7 +51,8 @@ def network_policies(svc: LLMService, owner: dict, autoscaler_namespace: str) ->
     # Peers: the decode engines pull KV from the prefill ones. Pod selectors alone mean this namespace.
     peers = [{"podSelector": {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: ROUTER}}},
              {"podSelector": engine_selector(svc)},
-             {**_in(autoscaler_namespace), "podSelector": {"matchLabels": AUTOSCALER_LABELS}}]
+             {**_in(autoscaler_namespace), "podSelector": {"matchLabels": AUTOSCALER_LABELS}},
+             {**_in(autoscaler_namespace), "podSelector": {"matchLabels": OPERATOR_LABELS}}]
     if svc.spec.network.gateway_namespace:
         peers.append(_in(svc.spec.network.gateway_namespace))
 
