@@ -40,12 +40,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "slofleet.cli", *cmd, "--port", str(port)], cwd=ROOT,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
+def start(cmd: list[str], log: Path, host: str = "127.0.0.1", port: int | None = None) -> tuple[subprocess.Popen, str]:
+    port = port or free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "slofleet.cli", *cmd, "--host", host, "--port", str(port)],
+                            cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return proc, f"http://127.0.0.1:{port}"
+    return proc, f"http://{host}:{port}"
 
 
 async def wait_ready(url: str, timeout: float = 300) -> None:
@@ -63,7 +63,7 @@ async def wait_ready(url: str, timeout: float = 300) -> None:
 
 
 async def prefix_counters(urls: list[str]) -> tuple[float, float]:
-    hits = queries = 0.0
+    hits = queries = 0.0  # an engine restarted mid-run starts again from 0: runs read the sum of their deltas
     async with aiohttp.ClientSession() as s:
         for u in urls:
             async with s.get(u + "/metrics") as r:
@@ -113,46 +113,78 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine (engines share the cores)")
+    p.add_argument("--policies", default="round-robin,prefix,precise",
+                   help="precise: the router's event index (engines publish KV events)")
+    p.add_argument("--restart", action="store_true", help="restart one engine halfway through each policy's run")
     p.add_argument("--logs", default="/tmp/router_prefix")
     args = p.parse_args()
+    events, replay = free_port(), free_port()  # one port pair, each engine on its own loopback address
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     procs, urls = [], []
     try:
-        for i in range(args.engines):
-            proc, url = start(["serve", "--dtype", "float32", "--num-blocks", str(args.num_blocks), "--max-num-seqs",
-                               "4", "--num-threads", str(args.threads)], logs / f"engine{i}.log")
+        engine_cmds = [["serve", "--dtype", "float32", "--num-blocks", str(args.num_blocks), "--max-num-seqs", "4",
+                        "--num-threads", str(args.threads), "--kv-events-endpoint", f"tcp://127.0.0.{i + 2}:{events}",
+                        "--kv-events-replay-endpoint", f"tcp://127.0.0.{i + 2}:{replay}"] for i in range(args.engines)]
+        for i, cmd in enumerate(engine_cmds):
+            proc, url = start(cmd, logs / f"engine{i}.log", f"127.0.0.{i + 2}")
             procs.append(proc)
             urls.append(url)
+
+        def restart() -> None:  # engine 0: its cache (and, for the index, its epoch) starts over
+            procs[0].terminate()
+            procs[0].wait(30)
+            procs[0] = start(engine_cmds[0], logs / "engine0.log", "127.0.0.2", int(urls[0].rsplit(":", 1)[1]))[0]
+            asyncio.run(wait_ready(urls[0]))
         for u in urls:
             asyncio.run(wait_ready(u))
         rows = []
-        for policy in ("round-robin", "prefix"):
-            proc, router = start(["router", "--policy", policy, "--log-level", "warning",
+        for policy in args.policies.split(","):
+            precise = ["--model", "default", "--kv-events-endpoint", f"tcp://{{host}}:{events}",
+                       "--kv-events-replay-endpoint", f"tcp://{{host}}:{replay}"] if policy == "precise" else []
+            proc, router = start(["router", "--policy", policy, "--log-level", "warning", *precise,
                                   *[f for u in urls for f in ("--upstream", u)]], logs / f"router-{policy}.log")
             procs.append(proc)
             asyncio.run(wait_ready(router))
-            time.sleep(1.5)  # let the router probe every replica ready
-            before = asyncio.run(prefix_counters(urls))
-            ttfts = run_workload_sync(router, workload(policy, args.docs, args.doc_words, args.requests), args)
-            after = asyncio.run(prefix_counters(urls))
-            hit_rate = (after[0] - before[0]) / max(after[1] - before[1], 1)
-            rows.append((policy, statistics.median(ttfts), statistics.quantiles(ttfts, n=20)[18], hit_rate))
+            time.sleep(1.5)  # let the router probe every replica ready (and subscribe to their events)
+            prompts = workload(policy, args.docs, args.doc_words, args.requests)
+            halves = (prompts[:len(prompts) // 2], prompts[len(prompts) // 2:]) if args.restart else (prompts,)
+            ttfts, hits, queries = [], 0.0, 0.0
+            for i, part in enumerate(halves):
+                if i:
+                    restart()
+                    time.sleep(1.5)  # the router sees it ready again
+                before = asyncio.run(prefix_counters(urls))
+                ttfts.append(run_workload_sync(router, part, args))
+                after = asyncio.run(prefix_counters(urls))
+                hits, queries = hits + after[0] - before[0], queries + after[1] - before[1]
+            index = asyncio.run(router_gauge(router, "slofleet:router_prefix_index_bytes"))
+            flat = [t for part in ttfts for t in part]
+            rows.append((policy, statistics.median(flat), statistics.quantiles(flat, n=20)[18],
+                         statistics.quantiles(ttfts[-1], n=20)[18], hits / max(queries, 1), index))
             proc.terminate()
             proc.wait(10)
         print(f"{args.engines} engines x {args.num_blocks} KV blocks; {args.docs} documents of ~{args.doc_words} "
               f"words; {args.requests} requests per policy at concurrency {args.concurrency}; "
               f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-        print(f"{'policy':<12} {'TTFT P50 s':>11} {'P95 s':>8} {'prefix hit rate':>16}")
-        for policy, p50, p95, hr in rows:
-            print(f"{policy:<12} {p50:>11.3f} {p95:>8.3f} {hr:>16.1%}")
-        print(f"prefix-aware TTFT P50 vs round-robin: {1 - rows[1][1] / rows[0][1]:+.0%} reduction")
+        print(f"{'policy':<12} {'TTFT P50 s':>11} {'P95 s':>8} {'P95 after restart':>18} {'prefix hit rate':>16} "
+              f"{'index KiB':>10}")
+        for policy, p50, p95, p95_after, hr, index in rows:
+            print(f"{policy:<12} {p50:>11.3f} {p95:>8.3f} {p95_after if args.restart else float('nan'):>18.3f} "
+                  f"{hr:>16.1%} {index / 1024:>10.0f}")
+        for policy, p50, *_ in rows[1:]:
+            print(f"{policy} TTFT P50 vs {rows[0][0]}: {1 - p50 / rows[0][1]:+.0%} reduction")
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(30)
     return 0
+
+
+async def router_gauge(url: str, name: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in (await r.text()).splitlines() if line.startswith(name))
 
 
 def run_workload_sync(router: str, prompts: list[str], args: argparse.Namespace) -> list[float]:
