@@ -41,6 +41,15 @@ def kept(x: torch.Tensor, top_k: int, top_p: float, min_p: float) -> list[bool]:
     return torch.zeros(len(x), dtype=torch.bool).index_fill_(0, ids[torch.isfinite(vals)], True).tolist()
 
 
+def test_the_runners_logits_are_sampled_in_place():
+    with torch.inference_mode():  # as the runner makes them
+        made = logits([0.0, 5.0, 1.0], [2.0, 0.0, 0.0])
+    reqs = [make(SamplingParams(temperature=0.7, repetition_penalty=1.2), out=[1]),
+            make(SamplingParams(temperature=0), rid="g")]
+    assert len(Sampler(eos_ids=set()).sample(made[:1], reqs[:1])[0]) == 1  # every row random: no copy is made
+    assert len(Sampler(eos_ids=set()).sample(made, reqs)[0]) == 2
+
+
 def test_top_k_and_top_p_restrict_support():
     x = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
     assert kept(x, 2, 1.0, 0.0) == [True, True, False, False, False]

@@ -115,6 +115,7 @@ class Sampler:
             out[rows] = (pick if ids is None else ids.gather(1, pick)).squeeze(1)
         return out
 
+    @torch.inference_mode()  # the runner's logits are inference tensors, changed in place here without a copy
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict[int, float] | None]]:
         """Next token per row, and the top-N log-probabilities (of the model's raw distribution) where asked.
         The logits are the sampler's to change: penalties and temperature are applied in place."""
