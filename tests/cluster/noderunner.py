@@ -34,6 +34,9 @@ from volumes import Missing, PodVolumes
 NODE = "slofleet-node"
 PODNET = str(Path(__file__).resolve().parent / "podnet")  # its sitecustomize gives each pod its own wildcard address
 REFRESH_SECONDS = 2.0  # how often a running pod's ConfigMap, Secret and token files are brought up to date
+# A namespace annotation (test-only) giving its pods' commands another PATH than the runner's: a test that needs the
+# real `slofleet` CLI in a session whose PATH finds the fake engine first (tests/k8s/fakebin) names it this way.
+PATH_ANNOTATION = "noderunner.slofleet.dev/path"
 
 
 @dataclass
@@ -49,7 +52,8 @@ class Pod:
     refreshed: float = 0.0
 
 
-def resolve_env(pod: dict, container: dict, ip: str, vols: PodVolumes, local: dict[str, str]) -> dict[str, str]:
+def resolve_env(pod: dict, container: dict, ip: str, vols: PodVolumes, local: dict[str, str],
+                path: str | None = None) -> dict[str, str]:
     fields = {"status.podIP": ip, "metadata.name": pod["metadata"]["name"], "spec.nodeName": NODE,
               "metadata.namespace": pod["metadata"]["namespace"], "status.hostIP": "127.0.0.1",
               "metadata.uid": pod["metadata"]["uid"], "spec.serviceAccountName": pod["spec"].get("serviceAccountName")}
@@ -58,7 +62,7 @@ def resolve_env(pod: dict, container: dict, ip: str, vols: PodVolumes, local: di
     # a pod holds only its own ServiceAccount's credentials. Then envFrom, and env over it, as the kubelet orders;
     # only what the pod names gets its mount paths relocated (a local path may lie under a mount path, e.g. /tmp).
     env = {k: v for k, v in os.environ.items() if "KUBECONFIG" not in k} | {"POD_IP": ip}
-    env |= {"HOME": str(vols.folder / "home")} | vols.credentials(container)
+    env |= {"HOME": str(vols.folder / "home")} | vols.credentials(container) | ({"PATH": path} if path else {})
     for src in container.get("envFrom") or []:
         env |= {k: relocate(v, local) for k, v in vols.env_from(src).items()}
     for var in container.get("env") or []:
@@ -125,9 +129,10 @@ class Runner:
         p.refreshed, folder = time.monotonic(), p.volumes.folder
         (folder / "home").mkdir(exist_ok=True)
         containers = []
+        notes = self.core.read_namespace(p.namespace).metadata.annotations or {}
         for c in pod["spec"]["containers"]:
             local = p.volumes.mounts(c)
-            env = resolve_env(pod, c, p.ip, p.volumes, local)
+            env = resolve_env(pod, c, p.ip, p.volumes, local, notes.get(PATH_ANNOTATION))
             argv = [expand(relocate(a, local), env) for a in (c.get("command") or []) + (c.get("args") or [])]
             if argv:
                 argv[0] = shutil.which(argv[0], path=env["PATH"]) or argv[0]
