@@ -48,7 +48,9 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine, monkey
 
 
 @pytest.mark.slow
-def test_a_fault_in_every_step_escapes(engine, monkeypatch):
+def test_a_fault_in_every_step_escapes(monkeypatch):
+    engine = LLMEngine(dtype="float32", num_blocks=64)  # its own: it ends broken
+
     def broken(*_):
         raise RuntimeError("injected fault")
 
@@ -120,3 +122,15 @@ def test_a_dead_engine_loop_fails_probes_and_requests_and_exits():
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_failing_step_during_a_prefill_for_a_peer_fails_it_without_exporting(engine, monkeypatch):
+    def broken(*_):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(engine.sampler, "sample", broken)
+    req = engine.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0), export_kv=True)
+    outs = engine.step()  # before: exporting a prefill that sampled nothing raised IndexError out of step()
+    assert [(o.request_id, o.finish_reason, o.kv) for o in outs] == [(req.request_id, FinishReason.ERROR, None)]
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks

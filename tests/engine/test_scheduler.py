@@ -8,6 +8,7 @@ import time
 import pytest
 
 from slofleet.engine import AdmissionError
+from slofleet.engine.scheduler import STARVATION_S
 
 from .builders import drain, finish, make_request, make_scheduler, run, step
 
@@ -174,3 +175,18 @@ def test_no_block_leaks_under_random_load_with_preemption_and_aborts():
     assert sched.preemptions_by_bucket and sched.kv.stats.hits > 0
     run(sched)
     assert pool.num_free == pool.num_blocks and not sched.kv.tables
+
+
+def test_a_request_starved_by_more_urgent_ones_runs_in_bounded_time():
+    sched = make_scheduler(max_num_batched_tokens=16)
+    old = make_request(16, priority=100, request_id="old")
+    old.arrival_time -= STARVATION_S + 1  # queued long ago, behind a steady flow of chats
+    sched.add(old)
+    sched.add(make_request(16, priority=0, request_id="chat"))
+    out, _ = step(sched)
+    assert [r.request_id for r, _ in out.scheduled] == ["old"]
+    fresh = make_scheduler(max_num_batched_tokens=16)  # the same two, neither starved: priority decides
+    fresh.add(make_request(16, priority=100, request_id="old"))
+    fresh.add(make_request(16, priority=0, request_id="chat"))
+    out, _ = step(fresh)
+    assert [r.request_id for r, _ in out.scheduled] == ["chat"]

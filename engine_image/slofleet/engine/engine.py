@@ -195,7 +195,7 @@ class LLMEngine:
     def _finish(self, req: Request, reason: FinishReason, token: int | None = None, text: str = "",
                 logprobs: dict[int, float] | None = None) -> RequestOutput:
         kv = None
-        if req.export_kv and reason is not FinishReason.ABORT:
+        if req.export_kv and reason in (FinishReason.STOP, FinishReason.LENGTH):  # a first token was sampled
             kv = kv_transfer.export(self.runner, self.kv.block_table(req.request_id), req)
         self.scheduler.remove(req)
         req.status, req.finish_reason = Status.FINISHED, reason

@@ -18,6 +18,8 @@ from .errors import AdmissionError
 from .kv_cache_manager import KVCacheManager
 from .request import Event, Request, Status
 
+STARVATION_S = 10.0  # see schedule(): the longest a request waits behind more urgent ones
+
 
 @dataclass(slots=True, kw_only=True)
 class SchedulerOutput:
@@ -141,17 +143,23 @@ class Scheduler:
         # arrival) order, so a chat arriving during a long document's prefill goes ahead of its next chunk.
         # A step's length is what its most urgent prompt waits for, so prompt work of a less urgent priority
         # never shares a step with it: a chat's prefill is not stretched by a document's next chunk.
+        # A request left waiting STARVATION_S (a steady flow of more urgent ones) is treated as most urgent, so
+        # every request is served in bounded time whatever its priority.
         partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        urgent: int | None = None
-        for req in sorted(partial + self.waiting, key=Request.sort_key):
-            if budget == 0 or (urgent is not None and req.priority > urgent):
+        urgent: tuple | None = None
+
+        def rank(r: Request) -> tuple:
+            return (r.status is not Status.WAITING or now - r.arrival_time < STARVATION_S, r.priority)
+
+        for req in sorted(partial + self.waiting, key=lambda r: (*rank(r), *r.sort_key()[1:])):
+            if budget == 0 or (urgent is not None and rank(req) > urgent):
                 break
             if req.status is Status.RUNNING:
                 if req in self.running:
                     num_new = min(req.num_tokens - req.num_computed_tokens, budget)
                     if self._reserve(req, num_new, out, scheduled):
                         budget -= num_new
-                        urgent = req.priority
+                        urgent = rank(req)
                 continue
             # No admissions in a step that had to preempt: the pool is already short.
             if out.preempted or len(self.running) >= self.config.max_num_seqs:
@@ -160,5 +168,5 @@ class Scheduler:
             if not admitted:
                 break  # head of line: a lower-priority request must not take the blocks it waits for
             budget -= admitted
-            urgent = req.priority
+            urgent = rank(req)
         return out

@@ -17,6 +17,8 @@ from ..errors import AdmissionError, InvalidRequest, UpstreamError
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                  headers: dict[str, str] | None = None):
+        # A lone surrogate (from a client's text or a peer's message) cannot be encoded as JSON: show it escaped.
+        message = message.encode("utf-8", "backslashreplace").decode()
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
 
