@@ -125,6 +125,8 @@ def test_events_of_a_real_engine_across_eviction_and_restart(tmp_path):
     srv = Server(*flags, log=tmp_path / "first.log", env={"PYTHONHASHSEED": SEED})
     try:
         srv.wait_ready()
+        # What an endpoint picker reads of the KV cache, as vLLM exports it.
+        assert srv.metrics()[f"vllm:cache_config_info{{block_size={BS},num_gpu_blocks=8}}"] == 1
         sent = complete(srv, a)
         got = sub.pump(lambda s: kinds(s) == ["AllBlocksCleared", "BlockStored"])
         assert got - sent < 1.0, "a step's events take at most a second"

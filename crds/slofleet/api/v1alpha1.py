@@ -13,40 +13,22 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
+from slofleet.api.base import Model as _Model
+from slofleet.api.base import rules as _rules
+from slofleet.api.base import to_camel  # noqa: F401 (re-exported)
 from slofleet.api.contract import (  # noqa: F401 (ROLES re-exported)
     DEFAULT_ENGINE_PORT,
     DEFAULT_GRACE_SECONDS,
     ENGINE_SETTINGS,
     ROLES,
 )
+from slofleet.api.network import Network
 
 GROUP = "slofleet.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
-
-
-def to_camel(name: str) -> str:
-    # pydantic's to_camel capitalises after digits (e2e_ms -> e2EMs); Kubernetes style is e2eMs.
-    head, *rest = name.split("_")
-    return head + "".join(w[:1].upper() + w[1:] for w in rest)
-
-
-def _rules(*pairs: tuple[str, str]) -> dict:
-    """CEL rules for a schema node: (expression, message the user sees when it is false)."""
-    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in pairs]}
-
-
-class _Model(BaseModel):
-    # camelCase on the wire (Kubernetes style), snake_case in Python; unknown fields are the API server's
-    # business (it prunes them), so the models accept and ignore them. Defaults are plain values (`{}` for a
-    # nested object, validated into the model) so that they appear in the CRD schema and the API server
-    # applies the same defaults as Python does.
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", validate_default=True)
-
-    def wire(self) -> dict:
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
 class ModelSource(_Model):
@@ -262,13 +244,6 @@ class Router(_Model):
     resources: Resources = Field({"requests": {"cpu": "100m", "memory": "128Mi"},
                                   "limits": {"cpu": "1", "memory": "512Mi"}})
     auth: RouterAuth | None = Field(None, description="API keys: absent, the router takes requests without a key")
-
-
-class Network(_Model):
-    """Who besides the service's router, its engines and the autoscaler may reach the engines (a NetworkPolicy)."""
-    gateway_namespace: str | None = Field(None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
-                                          description="namespace of a gateway (e.g. an endpoint picker) whose pods "
-                                          "may call the engines directly")
 
 
 class LLMServiceSpec(_Model):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from slofleet.api.contract import DECODE, ROLE_LABEL, SERVICE_LABEL, UNIFIED
 from slofleet.api.v1alpha1 import API_VERSION, Admission, Bucket, BucketAdmission, LLMService, Pool, RoleAutoscaling
-from slofleet.operator import router, trust
+from slofleet.operator import gateway, router, trust
 from slofleet.operator.podspec import labels, pod_template
 
 
@@ -20,6 +20,7 @@ class Inputs:
     buckets: list[Bucket]  # spec.buckets, or the referenced SLOPolicy's
     internal_token: str  # the Secret's (drawn once by reconcile.py, then read back from the Secret)
     service_monitor: bool = False  # the ServiceMonitor CRD exists in the cluster
+    inference_pool: bool = False  # the InferencePool CRD (Gateway API Inference Extension) exists in the cluster
     network_policy: bool = False  # the API server serves NetworkPolicies
     router_cluster_role: str = router.DEFAULT_CLUSTER_ROLE  # what the router's RoleBinding grants (see router.py)
     autoscaler_namespace: str = trust.AUTOSCALER_NAMESPACE  # its pods may scrape the engines
@@ -134,4 +135,6 @@ def desired(svc: LLMService, inputs: Inputs) -> list[dict]:
     out.append(pdb(svc))
     if inputs.service_monitor:
         out.append(service_monitor(svc))
+    if inputs.inference_pool:
+        out.append(gateway.inference_pool(svc, owner))
     return out

@@ -15,11 +15,11 @@ from slofleet.api.contract import SERVICE_LABEL, load_kube_config
 from slofleet.api.v1alpha1 import API_VERSION
 
 FIELD_MANAGER = "slofleet-operator"
-# Kinds the operator owns and prunes (the ServiceMonitor only where its CRD exists).
+# Kinds the operator owns and prunes (the ServiceMonitor and InferencePool only where their CRDs exist).
 CHILD_KINDS = [("v1", "ConfigMap"), ("apps/v1", "Deployment"), ("v1", "Service"),
                ("policy/v1", "PodDisruptionBudget"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
                ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "RoleBinding"), ("v1", "Secret"),
-               ("networking.k8s.io/v1", "NetworkPolicy")]
+               ("networking.k8s.io/v1", "NetworkPolicy"), ("inference.networking.k8s.io/v1", "InferencePool")]
 
 
 def connect() -> dynamic.DynamicClient:

@@ -81,6 +81,10 @@ def serve_args(svc: LLMService, role: str, buckets: list[Bucket]) -> list[str]:
     # clients call them directly: a bucket edit then reaches the router and autoscaler without rolling the engines.
     if buckets and not svc.spec.router.enabled:
         args += ["--bucket-priorities", bucket_priorities(buckets)]
+    # A gateway in the router's place (router off, its namespace named: the one source besides the service's own
+    # pods that the engines' NetworkPolicy admits) sends no internal token; it still guards KV hand-off and drain.
+    if not svc.spec.router.enabled and svc.spec.network.gateway_namespace:
+        args.append("--no-require-internal-token")
     return args + list(e.args)
 
 

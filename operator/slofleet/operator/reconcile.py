@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from slofleet.api.contract import ROLE_LABEL, ROUTER, now, parse_time
 from slofleet.api.v1alpha1 import Bucket, LLMService, SLOPolicy
-from slofleet.operator import children, drain, engines, podspec, router, status, trust
+from slofleet.operator import children, drain, engines, gateway, podspec, router, status, trust
 from slofleet.operator.kube import Kube
 
 
@@ -45,6 +45,7 @@ def reconcile(kube: Kube, body: dict, router_cluster_role: str = router.DEFAULT_
     token = trust.token_of(existing.get(("Secret", podspec.secret_name(svc)))) or secrets.token_urlsafe(32)
     inputs = children.Inputs(buckets=resolve_buckets(kube, svc, out), internal_token=token,
                              service_monitor=kube.has_kind("monitoring.coreos.com/v1", "ServiceMonitor"),
+                             inference_pool=kube.has_kind(gateway.INFERENCE_POOL_API, "InferencePool"),
                              network_policy=kube.has_kind("networking.k8s.io/v1", "NetworkPolicy"),
                              router_cluster_role=router_cluster_role, autoscaler_namespace=autoscaler_namespace)
     wanted = children.desired(svc, inputs)

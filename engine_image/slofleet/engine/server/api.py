@@ -42,6 +42,8 @@ from .settings import ServerSettings
 from .tracing import Traced, add_debug_routes, handoff_span
 
 log = logging.getLogger("slofleet.engine.api")
+# What a gateway's traffic may reach without the internal token, under --no-require-internal-token.
+GATEWAY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
 FATAL_EXIT_DELAY = 1.0  # seconds for open requests to receive their error before the process exits
 
 
@@ -274,7 +276,9 @@ class Guard:
         rid = state["request_id"]  # Traced's, outside this one
         keys, request = [self.settings.api_key, self.settings.internal_token], Request(scope)
         state["internal"] = bearer_is(request, self.settings.internal_token)
-        if any(keys) and scope["path"].startswith(("/v1/", "/debug/")) and not any(bearer_is(request, k) for k in keys):
+        gateway = not self.settings.require_internal_token and scope["path"] in GATEWAY_PATHS
+        needed = self.settings.api_key if gateway else any(keys)
+        if needed and scope["path"].startswith(("/v1/", "/debug/")) and not any(bearer_is(request, k) for k in keys):
             err = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
             return await err.response()(scope, receive, send)
         started = False

@@ -79,6 +79,9 @@ class EngineCollector:
         yield gauge("slofleet:kv_unfilled_slots", "Token slots allocated to running requests but not yet filled "
                     "(fragmentation).", st.kv_unfilled_slots)
         yield counter("slofleet:kv_evictions", "Cached KV blocks evicted to make room.", st.kv_evictions)
+        yield family(GaugeMetricFamily, "vllm:cache_config_info", "The KV cache's configuration (1), as vLLM exports "
+                     "it for endpoint pickers.", {(str(self.engine.config.block_size), str(st.kv_blocks_total)): 1},
+                     ("block_size", "num_gpu_blocks"))
         yield counter("slofleet:replica_cost", "What this replica has cost since it started, at --price-per-hour "
                       "(idle time included).", self.price_per_hour * (time.monotonic() - self.started) / 3600)
         yield family(GaugeMetricFamily, "slofleet:dtype_info", "The dtype the engine runs in (1), and why: flag, "

@@ -36,3 +36,7 @@ class ServerSettings:
     kv_events_replay_endpoint: str = field(default="", metadata={
         "help": "answer replay requests for missed KV event batches (ZMQ ROUTER) on this address, e.g. "
                 "tcp://0.0.0.0:5558"})
+    require_internal_token: bool = field(default=True, metadata={
+        "help": "with an internal token, every /v1/* call needs it; --no-require-internal-token lets callers without "
+                "it use the generation endpoints (completions, chat, models): a gateway and its endpoint picker in "
+                "front of the engines, where the NetworkPolicy admits only them. KV hand-off and drain still need it"})

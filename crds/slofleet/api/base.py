@@ -1,0 +1,26 @@
+"""What every custom-resource model shares: camelCase on the wire, CEL rules beside their fields, plain defaults."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+def to_camel(name: str) -> str:
+    # pydantic's to_camel capitalises after digits (e2e_ms -> e2EMs); Kubernetes style is e2eMs.
+    head, *rest = name.split("_")
+    return head + "".join(w[:1].upper() + w[1:] for w in rest)
+
+
+def rules(*pairs: tuple[str, str]) -> dict:
+    """CEL rules for a schema node: (expression, message the user sees when it is false)."""
+    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in pairs]}
+
+
+class Model(BaseModel):
+    # camelCase on the wire (Kubernetes style), snake_case in Python; unknown fields are the API server's
+    # business (it prunes them), so the models accept and ignore them. Defaults are plain values (`{}` for a
+    # nested object, validated into the model) so that they appear in the CRD schema and the API server
+    # applies the same defaults as Python does.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", validate_default=True)
+
+    def wire(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
