@@ -1,4 +1,5 @@
-from slofleet.autoscaler.policy import SLO, Fleet, Policy, PolicyConfig, forecast
+from slofleet.autoscaler.forecast import Forecaster
+from slofleet.autoscaler.policy import SLO, Fleet, Policy, PolicyConfig
 from slofleet.autoscaler.signals import RoleSignals, Window
 
 # 1000 prompt and 100 output tokens per request; capacity: 10,000 prompt tokens/s or 1,000 tokens/s,
@@ -39,8 +40,10 @@ def test_burst_scales_up_at_once_with_a_reason():
 
 
 def test_rising_trend_is_forecast_one_cold_start_ahead():
-    samples = [(float(t), 10.0 + t / 10) for t in range(0, 300, 15)]  # +0.1 req/s every second
-    assert forecast(samples, 290 + 60) > samples[-1][1] + 5
+    f = Forecaster()
+    for t in range(0, 600, 15):  # +0.1 req/s every second
+        f.add(float(t), 10.0 + t / 10)
+    assert f.at(585 + 60) > 10.0 + 58.5 + 4
 
 
 def test_scale_down_waits_for_the_stabilization_window_then_steps():

@@ -3,11 +3,16 @@
 desired = clamp(max(proactive, reactive)), then: up at once, down only after the stabilization window, a
 step at a time, and only when the remaining replicas can take the in-flight work (drain before removal).
 
-- proactive: arrival rate forecast `cold_start_s` ahead (a replica asked for now serves only then) times
-  the work per request (mean prompt / output tokens), over a per-replica capacity whose prior comes from
-  the replica profile and is corrected by what the fleet is seen to sustain;
-- reactive: SLO attainment below target or saturation (queue, KV, preemptions) adds replicas, but not
-  while earlier ones are still starting (they are the cold-start allowance, not a reason to add more).
+- proactive: each bucket's load (its arrival rate times the work of its requests, priced by the replica profile
+  at the strictest TPOT target) is forecast to when a replica asked for now would serve (forecast.py: level,
+  trend, yesterday's curvature) and raised by headroom: the quantile of the forecast's own recent errors that
+  the bucket needs. That quantile is learnt per bucket from the attainment the policy reads: misses beyond the
+  share `aim` of the budget its percentile allows raise it, attainment above lowers it, so the fleet buys what
+  each bucket's percentile asks and no more; the count is the cheapest that covers every bucket;
+- reactive: saturation (queue, KV, preemptions) adds replicas at once; a bucket under its percentile holds the
+  fleet from scaling down; neither adds while earlier replicas are still starting (they are the cold-start
+  allowance, not a reason to add more).
+The policy reads only the metrics windows a cluster gives it, never what is to come.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ from dataclasses import dataclass, field
 
 from slofleet.api.contract import DECODE, PREFILL, ROLES, UNIFIED
 
-from .signals import Window, stale
+from .forecast import Forecaster
+from .profiles import Profile
+from .signals import BucketWindow, RoleSignals, Window, stale, window
 
 
 @dataclass
@@ -25,6 +32,7 @@ class SLO:
     ttft_s: float = 0.5
     tpot_s: float = 0.05
     target: float = 0.95  # share of requests that must meet both
+    e2e_s: float = math.inf  # whole request (the simulator judges it; engines' TTFT and TPOT drive the policy)
 
 
 @dataclass
@@ -35,9 +43,14 @@ class PolicyConfig:
     max_replicas: int = 64
     prefill_tps: float = 20_000.0  # prior: prompt tokens/s one replica computes when only prefilling
     decode_tps: float = 4_000.0  # prior: tokens/s one replica generates at the TPOT target
-    utilization: float = 0.9  # the proactive part plans for this share of capacity (the reactive part backs it)
+    profile: Profile | None = None  # prices each bucket's mix (else the two priors above, the same for any mix)
+    buckets: dict[str, SLO] = field(default_factory=dict)  # each bucket's targets and percentile; others: `slo`
+    utilization: float = 1.0  # the share of (learnt) capacity planned for; the capacity is at the TPOT target
+    aim: float = 0.75  # spend this share of each bucket's miss budget (1 - percentile), not more, not much less
+    adapt_s: float = 7200.0  # the headroom quantile's logit moves by (aim - budget spent) per this many seconds
     cold_start_s: float = 90.0
-    trend_s: float = 300.0  # arrival-rate history used for the forecast
+    trend_s: float = 1800.0  # the forecast's trend is fitted over this span
+    level_s: float = 60.0  # and its level is the mean of the windows of this span
     down_window_s: float = 300.0  # scale down only to the highest recommendation seen in this window
     up_window_s: float = 0.0  # scale up only to the lowest recommendation seen in this window (0: at once)
     down_step: float = 0.1  # at most this share of replicas (at least one) removed per decision
@@ -75,7 +88,12 @@ class Policy:
         self.cfg = cfg
         self.last: Decision | None = None
         self.scale = 1.0  # learnt capacity / prior capacity
-        self.rates: deque[tuple[float, float]] = deque()  # (time, arrival rate)
+        self.forecasts: dict[str, Forecaster] = {}  # per bucket: its load, in replicas at the prior capacity
+        self.quantile: dict[str, float] = {}  # per bucket: the logit of the forecast-error quantile it needs
+        self.requests: dict[str, float] = {}  # per bucket: running mean of its requests per window
+        self.t: float | None = None  # the previous decision's time
+        self.full_since: float | None = None  # saturated in every decision since
+        self.prev: RoleSignals | None = None  # the newest scrape the previous decision read
         self.recs: deque[tuple[float, int]] = deque()  # (time, recommendation) for scale-down stabilization
 
     def decide(self, now: float, win: Window | None, fleet: Fleet) -> Decision:
@@ -85,7 +103,7 @@ class Policy:
             age = "no scrape" if win is None else f"newest scrape {now - win.now.t:.0f}s old"
             self.last = Decision(keep, f"holding {keep}: metrics missing or stale ({age})", "MetricsStale")
             return self.last
-        self.learn(win, fleet)
+        self.learn(now, win, fleet)
         proactive, why_pro = self.proactive(now, win)
         reactive, why_re = self.reactive(win, fleet)
         rec, why = (reactive, why_re) if reactive > proactive else (proactive, why_pro)
@@ -96,67 +114,128 @@ class Policy:
         self.last = self.settle(now, rec, why, win, fleet)
         return self.last
 
+    # -- what the window says, per bucket ------------------------------------------------------------
+    def buckets(self, win: Window) -> dict[str, BucketWindow]:
+        """The window's buckets; a window without them (an engine without bucket labels) is one bucket."""
+        if win.buckets:
+            return win.buckets
+        n = win.arrival_rate * win.seconds
+        return {"default": BucketWindow(n, win.arrival_rate, win.mean_prompt or 0.0, win.mean_output or 0.0,
+                                        win.ttft_attainment, win.itl_attainment)} if win.mean_prompt else {}
+
+    def target(self, bucket: str) -> SLO:
+        return self.cfg.buckets.get(bucket, self.cfg.slo)
+
+    def attained(self, b: BucketWindow) -> float | None:
+        """The share of this role's latency a bucket met: prefill reads TTFT, decode TPOT, unified both."""
+        seen = [x for x, role in ((b.ttft_attainment, PREFILL), (b.itl_attainment, DECODE))
+                if x is not None and self.cfg.role in (role, UNIFIED)]
+        return min(seen) if seen else None
+
+    def rates(self, prompt: float, output: float) -> tuple[float, float]:
+        """Prompt and generated tokens/s one replica takes at the strictest TPOT target, for this mix."""
+        if self.cfg.profile is None:
+            return self.cfg.prefill_tps, self.cfg.decode_tps
+        tpot = min([t.tpot_s for t in self.cfg.buckets.values()] + [self.cfg.slo.tpot_s])
+        return self.cfg.profile.rates(prompt, output, tpot)
+
+    def demand(self, rate: float, prompt: float, output: float) -> float:
+        """Replicas needed at full prior capacity for `rate` requests/s of this mix."""
+        pre, dec = self.rates(prompt, output)
+        return {PREFILL: rate * prompt / pre, DECODE: rate * output / dec}.get(self.cfg.role,
+                                                                                rate * (prompt / pre + output / dec))
+
     # -- the two recommendations ------------------------------------------------------------
-    def demand(self, rate: float, win: Window) -> float:
-        """Replicas needed at full capacity for `rate` requests/s of this window's mix."""
-        p = win.mean_prompt if win.mean_prompt is not None else 0.0
-        o = win.mean_output if win.mean_output is not None else 0.0
-        pre, dec = rate * p / (self.cfg.prefill_tps * self.scale), rate * o / (self.cfg.decode_tps * self.scale)
-        return {PREFILL: pre, DECODE: dec}.get(self.cfg.role, pre + dec)
-
     def proactive(self, now: float, win: Window) -> tuple[int, str]:
-        self.rates.append((now, win.arrival_rate))
-        while self.rates[0][0] < now - self.cfg.trend_s:
-            self.rates.popleft()
-        rate = forecast(list(self.rates), now + self.cfg.cold_start_s)
-        need = self.demand(rate, win) / self.cfg.utilization
-        return math.ceil(need - 1e-9), (f"forecast {rate:.1f} req/s in {self.cfg.cold_start_s:.0f}s needs "
-                                        f"{need:.1f} replicas at {self.cfg.utilization:.0%} of learnt capacity")
+        cfg = self.cfg
+        # the forecast is fed what arrived since the previous decision's scrape (the window's newest part, so a
+        # rise shows sooner); the whole window when that part saw no request
+        fresh = window(self.prev, win.now, {}) if self.prev is not None and win.now.t > self.prev.t else None
+        if fresh is None or not fresh.buckets:
+            fresh = win
+        self.prev = win.now
+        mid, seen = fresh.now.t - fresh.seconds / 2, self.buckets(fresh)
+        for name in set(self.forecasts) - set(seen) if seen else ():
+            self.forecasts[name].add(mid, 0.0)  # a bucket without requests in a window has no load
+        for name, b in seen.items():
+            self.forecasts.setdefault(name, Forecaster(cfg.trend_s, cfg.level_s)).add(
+                mid, self.demand(b.arrival_rate, b.mean_prompt, b.mean_output))
+        when = now + cfg.cold_start_s
+        load = {n: f.predict(when) for n, f in self.forecasts.items()}
+        room = {n: f.headroom(self.level(n)) for n, f in self.forecasts.items()}
+        need = sum(load[n] * room[n] for n in load) / self.scale / cfg.utilization
+        head = ", ".join(f"{n} +{room[n] - 1:.0%} (p{self.level(n):.0%} of its errors)" for n in load)
+        return math.ceil(need - 1e-9), (f"{win.arrival_rate:.1f} req/s now; forecast load {sum(load.values()):.1f} "
+                                        f"replicas in {cfg.cold_start_s:.0f}s, headroom {head or '-'}: "
+                                        f"{need:.1f} replicas")
 
-    def pressure(self, win: Window) -> list[str]:
-        """This role's missed SLOs and saturation: prefill reads TTFT and its queue, decode reads TPOT
-        (inter-token latency), KV usage and preemptions; unified reads all."""
+    def level(self, bucket: str) -> float:
+        """The quantile of forecast errors a bucket's headroom covers (it starts at the bucket's percentile)."""
+        z = self.quantile.get(bucket)
+        return self.target(bucket).target if z is None else 1 / (1 + math.exp(-z))
+
+    def pressure(self, win: Window) -> tuple[list[str], list[str]]:
+        """This role's missed percentiles and its saturation: prefill reads TTFT and its queue, decode reads
+        TPOT (inter-token latency), KV usage and preemptions; unified reads all."""
         cfg, s = self.cfg, win.now
-        pods, miss = max(s.pods, 1), []
-        if cfg.role != DECODE:
-            if win.ttft_attainment is not None and win.ttft_attainment < cfg.slo.target:
-                miss.append(f"TTFT attainment {win.ttft_attainment:.1%}")
-            if s.waiting / pods > cfg.waiting_per_replica:
-                miss.append(f"{s.waiting / pods:.1f} waiting per replica")
+        pods, miss, full = max(s.pods, 1), [], []
+        for name, b in self.buckets(win).items():
+            got, want = self.attained(b), self.target(name).target
+            if got is not None and got < want:
+                miss.append(f"{name} attainment {got:.1%} < {want:.0%}")
+        if cfg.role != DECODE and s.waiting / pods > cfg.waiting_per_replica:
+            full.append(f"{s.waiting / pods:.1f} waiting per replica")
         if cfg.role != PREFILL:
-            if win.itl_attainment is not None and win.itl_attainment < cfg.slo.target:
-                miss.append(f"TPOT attainment {win.itl_attainment:.1%}")
             if s.kv_usage > cfg.kv_high:
-                miss.append(f"KV usage {s.kv_usage:.0%}")
+                full.append(f"KV usage {s.kv_usage:.0%}")
             if win.preemption_rate > 0:
-                miss.append(f"{win.preemption_rate:.2f} preemptions/s")
-        return miss
+                full.append(f"{win.preemption_rate:.2f} preemptions/s")
+        return miss, full
 
     def reactive(self, win: Window, fleet: Fleet) -> tuple[int, str]:
         cfg, s = self.cfg, win.now
-        miss = self.pressure(win)
-        if not miss:
+        miss, full = self.pressure(win)
+        if not miss and not full:
             return 0, "SLOs met"
+        why = ", ".join(full + miss)
         if fleet.starting:  # the cold-start allowance: replicas on their way are the response
-            return fleet.total, f"{', '.join(miss)}; {fleet.starting} replicas still starting"
+            return fleet.total, f"{why}; {fleet.starting} replicas still starting"
+        if not full:  # a missed percentile alone lowers the learnt share; meanwhile nothing is removed
+            return fleet.total, why
         # enough to clear the queued prompt tokens within one cold start on top of the current load
-        backlog = s.queued_prompt_tokens / (cfg.prefill_tps * self.scale * cfg.cold_start_s)
+        pre = self.rates(win.mean_prompt or 1.0, win.mean_output or 1.0)[0]
+        backlog = s.queued_prompt_tokens / (pre * self.scale * cfg.cold_start_s)
         add = max(1, math.ceil(0.2 * fleet.total), math.ceil(backlog))
-        return fleet.total + add, f"{', '.join(miss)}: +{add}"
+        return fleet.total + add, f"{why}: +{add}"
 
     # -- learning and stabilization ---------------------------------------------------------
-    def learn(self, win: Window, fleet: Fleet) -> None:
-        """Correct the capacity prior: when the fleet is saturated, what it sustains is its capacity; when it
-        meets its SLOs above the modelled capacity, the model is too pessimistic."""
+    def learn(self, now: float, win: Window, fleet: Fleet) -> None:
+        """Each bucket's headroom quantile, from its attainment against the budget its percentile allows; and
+        the capacity prior: when the fleet stays saturated, what it sustains is its capacity; when it meets every
+        percentile above the modelled capacity, the model is too pessimistic."""
+        cfg = self.cfg
+        dt, self.t = (min(now - self.t, 60.0) if self.t is not None else 0.0), now
+        seen = self.buckets(win)
+        if fleet.total < cfg.max_replicas:  # a capped fleet's misses say nothing about its headroom
+            for name, b in seen.items():
+                got, want = self.attained(b), self.target(name).target
+                if got is not None:
+                    # weighed by the window's requests against their running mean: attainment is per request
+                    typical = self.requests.get(name, b.requests)
+                    self.requests[name] = typical + (b.requests - typical) * min(dt / cfg.adapt_s, 1.0)
+                    spent = (1 - got) / max(1 - want, 1e-3)
+                    q, weight = self.level(name), b.requests / max(typical, 1e-9)
+                    z = math.log(q / (1 - q)) + (spent - cfg.aim) * weight * dt / cfg.adapt_s
+                    self.quantile[name] = min(max(z, 0.0), 7.0)  # quantiles 0.5 .. 0.999
         if fleet.ready == 0 or win.mean_prompt is None or win.mean_output is None:
             return
-        load = (win.prompt_rate / self.cfg.prefill_tps + win.output_rate / self.cfg.decode_tps) / fleet.ready
-        if self.cfg.role == PREFILL:
-            load = win.prompt_rate / self.cfg.prefill_tps / fleet.ready
-        elif self.cfg.role == DECODE:
-            load = win.output_rate / self.cfg.decode_tps / fleet.ready
-        hot = bool(self.pressure(win))
-        if (hot and load < self.scale) or (not hot and load > self.scale):
+        pre, dec = self.rates(win.mean_prompt, win.mean_output)
+        load = {PREFILL: win.prompt_rate / pre, DECODE: win.output_rate / dec}.get(
+            cfg.role, win.prompt_rate / pre + win.output_rate / dec) / fleet.ready
+        miss, full = self.pressure(win)
+        self.full_since = (self.full_since or now) if full else None
+        sustained = self.full_since is not None and now - self.full_since >= win.seconds  # not one burst
+        if (sustained and load < self.scale) or (not miss and not full and load > self.scale):
             self.scale = min(max(0.8 * self.scale + 0.2 * load, 0.25), 4.0)
 
     def settle(self, now: float, rec: int, why: str, win: Window, fleet: Fleet) -> Decision:
@@ -181,21 +260,6 @@ class Policy:
         if not ok:
             return Decision(cur, f"hold {cur}: would scale down to {target} but {wait}", "Draining")
         return Decision(target, f"scale down to {target}: {why}; in-flight work fits on {target}", cond)
-
-
-def forecast(samples: list[tuple[float, float]], at: float) -> float:
-    """Least-squares line through recent arrival rates: its level now, plus its rise until `at` when it is
-    rising (a falling trend is left to the slow scale-down, not anticipated); or the mean of the last two
-    samples when higher, so a sustained step counts within two decisions while one noisy window does not."""
-    now, newest = samples[-1]
-    if len(samples) < 3:
-        return newest
-    ts = [t for t, _ in samples]
-    rs = [r for _, r in samples]
-    tm, rm = sum(ts) / len(ts), sum(rs) / len(rs)
-    var = sum((t - tm) ** 2 for t in ts)
-    slope = sum((t - tm) * (r - rm) for t, r in zip(ts, rs)) / var if var else 0.0
-    return max(rm + slope * (now - tm) + max(slope, 0.0) * (at - now), (rs[-1] + rs[-2]) / 2, 0.0)
 
 
 def drainable(win: Window, fleet: Fleet, target: int, cfg: PolicyConfig) -> tuple[bool, str]:

@@ -31,6 +31,7 @@ GAUGES = {NUM_WAITING: "waiting", NUM_RUNNING: "running", KV_USAGE: "kv_usage",
 COUNTERS = {f"{PREEMPTIONS}_total": "preemptions", f"{PROMPT_TOKENS}_total": "prompt_tokens",
             f"{GENERATION_TOKENS}_total": "generation_tokens", f"{REQUEST_SUCCESS}_total": "finished"}
 HISTOGRAMS = {TTFT: "ttft", ITL: "itl", E2E: "e2e"}
+BY_BUCKET = ("prompt_tokens", "generation_tokens")  # counters also kept per bucket label (each bucket's mix)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class RoleSignals:
     ttft: dict[str, Histogram] = field(default_factory=dict)  # per bucket
     itl: dict[str, Histogram] = field(default_factory=dict)
     e2e: dict[str, Histogram] = field(default_factory=dict)
+    by_bucket: dict[str, dict[str, float]] = field(default_factory=dict)  # counter -> bucket -> value
     pod: str = ""  # which pod answered (one pod's signals; empty once merged)
 
 
@@ -113,6 +115,9 @@ def from_samples(samples: Iterable[Sample], role: str, t: float, pod: str = "") 
         if s.name in GAUGES or s.name in COUNTERS:
             attr = GAUGES.get(s.name) or COUNTERS[s.name]
             setattr(sig, attr, getattr(sig, attr) + s.value)
+            if attr in BY_BUCKET and "bucket" in s.labels:
+                counts = sig.by_bucket.setdefault(attr, {})
+                counts[s.labels["bucket"]] = counts.get(s.labels["bucket"], 0.0) + s.value
         elif s.name.endswith("_bucket") and s.name[:-7] in HISTOGRAMS:
             key = (HISTOGRAMS[s.name[:-7]], s.labels.get("bucket", "default"))
             le = float(s.labels["le"])
@@ -133,9 +138,24 @@ def merge(role: str, t: float, pods: list[RoleSignals]) -> RoleSignals:
             hists = getattr(out, kind)
             for bucket, h in getattr(p, kind).items():
                 hists[bucket] = hists[bucket].plus(h) if bucket in hists else h
+        for attr, counts in p.by_bucket.items():
+            mine = out.by_bucket.setdefault(attr, {})
+            for bucket, v in counts.items():
+                mine[bucket] = mine.get(bucket, 0.0) + v
     if pods:
         out.kv_usage /= len(pods)
     return out
+
+
+@dataclass(frozen=True)
+class BucketWindow:
+    """One bucket's share of a window: what its requests ask for and how many of them met its targets."""
+    requests: float  # first tokens in the window
+    arrival_rate: float  # requests/s, with the queue's growth shared by the buckets' shares of first tokens
+    mean_prompt: float
+    mean_output: float  # generated tokens per first token (a steady window's output length)
+    ttft_attainment: float | None
+    itl_attainment: float | None
 
 
 @dataclass
@@ -151,6 +171,7 @@ class Window:
     preemption_rate: float
     ttft_attainment: float | None  # worst bucket; None: no request finished a prefill in the window
     itl_attainment: float | None
+    buckets: dict[str, BucketWindow] = field(default_factory=dict)  # the buckets with first tokens in the window
 
 
 def window(old: RoleSignals, new: RoleSignals, slo: dict[str, tuple[float, float]]) -> Window:
@@ -158,26 +179,37 @@ def window(old: RoleSignals, new: RoleSignals, slo: dict[str, tuple[float, float
     SLO use the 'default' one when there is one."""
     dt = max(new.t - old.t, 1e-9)
     delta = lambda attr: max(getattr(new, attr) - getattr(old, attr), 0.0)  # noqa: E731 (counter reset -> 0)
-    firsts = sum(h.minus(old.ttft.get(b)).total for b, h in new.ttft.items())
-    finished = delta("finished")
+    firsts_by = {b: h.minus(old.ttft.get(b)).total for b, h in new.ttft.items()}
+    firsts, finished = sum(firsts_by.values()), delta("finished")
+    arrivals = max(firsts + new.waiting - old.waiting, 0.0)
 
-    def attain(kind: str, which: int) -> float | None:
-        shares = []
+    def shares(kind: str, which: int) -> dict[str, float]:
+        out = {}
         for b, h in getattr(new, kind).items():
             target = slo.get(b, slo.get("default"))
             share = h.minus(getattr(old, kind).get(b)).fraction_le(target[which]) if target else None
             if share is not None:
-                shares.append(share)
-        return min(shares) if shares else None
+                out[b] = share
+        return out
 
+    def per_request(attr: str, b: str, n: float) -> float:
+        """The bucket's tokens per first token; the window's, from engines that do not label them by bucket."""
+        if b not in new.by_bucket.get(attr, {}):
+            return delta(attr) / firsts
+        return max(new.by_bucket[attr][b] - old.by_bucket.get(attr, {}).get(b, 0.0), 0.0) / n
+
+    ttft, itl = shares("ttft", 0), shares("itl", 1)
+    buckets = {b: BucketWindow(n, arrivals * n / firsts / dt, per_request("prompt_tokens", b, n),
+                               per_request("generation_tokens", b, n), ttft.get(b), itl.get(b))
+               for b, n in firsts_by.items() if n > 0}
     return Window(
-        now=new, seconds=dt,
-        arrival_rate=max(firsts + new.waiting - old.waiting, 0.0) / dt,
+        now=new, seconds=dt, arrival_rate=arrivals / dt,
         mean_prompt=delta("prompt_tokens") / firsts if firsts else None,
         mean_output=delta("generation_tokens") / finished if finished else None,
         prompt_rate=delta("prompt_tokens") / dt, output_rate=delta("generation_tokens") / dt,
         preemption_rate=delta("preemptions") / dt,
-        ttft_attainment=attain("ttft", 0), itl_attainment=attain("itl", 1))
+        ttft_attainment=min(ttft.values(), default=None), itl_attainment=min(itl.values(), default=None),
+        buckets=buckets)
 
 
 def stale(sig: RoleSignals | None, now: float, max_age: float) -> bool:

@@ -11,7 +11,8 @@ load-balancing router:
 - KV: admission waits for free KV; overflow preempts (recompute tokens are served before the queue);
 - replicas: asked-for ones start after the profile's cold start; removed ones stop taking prompts at once
   and are paid until their in-flight requests drain; metrics are scraped every `scrape_s` and the controller
-  sees them `scrape_delay_s` late.
+  sees them `scrape_delay_s` late; like an engine's, the latency histograms and token counters are per bucket
+  (the trace's `bucket` of each request; the queue itself is one FIFO, as the fleet has no bucket priorities).
 Per-request TTFT and TPOT are read afterwards from the recorded served-prompt-tokens and step-count curves.
 """
 from __future__ import annotations
@@ -46,6 +47,11 @@ class SimConfig:
     decide_s: float = 15.0
     window_s: float = 60.0  # rates and attainment are read over this window
     tail_s: float = 300.0  # keep running after the last arrival so in-flight requests can finish
+    buckets: dict[str, SLO] = field(default_factory=dict)  # targets by bucket (trace.bucket indexes them in order);
+    # none: every request is in bucket 'default' with `slo`
+
+    def targets(self) -> dict[str, SLO]:
+        return self.buckets or {"default": self.slo}
 
 
 @dataclass
@@ -63,6 +69,7 @@ class Result:
     attained: np.ndarray  # attainment of the requests arriving in each minute (nan: none)
     good: int  # requests that met both targets
     reasons: list[str] = field(default_factory=list)  # every change of the desired count, with its reason
+    buckets: dict[str, float] = field(default_factory=dict)  # attainment by bucket (its own targets)
 
     @property
     def goodput_per_rh(self) -> float:
@@ -70,8 +77,10 @@ class Result:
 
 
 def simulate(trace: Trace, ctrl: Controller, cfg: SimConfig, name: str = "") -> Result:
-    prof, slo, dt = cfg.profile, cfg.slo, cfg.dt
+    prof, dt, targets = cfg.profile, cfg.dt, cfg.targets()
     arr, p, o = trace.arrival, trace.prompt.astype(np.float64), trace.output.astype(np.int64)
+    cls, nb = trace.classes(), len(targets)
+    ttft_t, tpot_t = (np.array([getattr(x, a) for x in targets.values()]) for a in ("ttft_s", "tpot_s"))
     pos = np.cumsum(p)  # each request's last prompt token's place in the fleet's prefill queue
     ticks = int(math.ceil((trace.duration + cfg.tail_s) / dt))
     alone = np.ceil(p / prof.token_budget) * prof.step_s + p * prof.prefill_token_s  # its prefill on an idle replica
@@ -81,11 +90,12 @@ def simulate(trace: Trace, ctrl: Controller, cfg: SimConfig, name: str = "") -> 
     ring_len = int(o.max()) + int(dt / prof.step_s) + 2  # a finish step is at most one tick's steps + output ahead
     # per finish slot: requests, their prompt tokens, their entry step; running KV is then exact:
     # K = prompts + B * S - entry steps (each running request holds its prompt plus one token per step)
-    ring_n, ring_p, ring_s0 = np.zeros(ring_len), np.zeros(ring_len), np.zeros(ring_len)
+    ring_n, ring_p, ring_s0 = np.zeros((ring_len, nb)), np.zeros(ring_len), np.zeros(ring_len)  # ring_n by bucket
     C = debt = S = K = kv_p = kv_s0 = evicted = 0.0
-    B, done_pre, arrived = 0, 0, 0
+    B, done_pre, arrived, running = 0, 0, 0, np.zeros(nb)  # running: B by bucket
     ready, starting, draining = cfg.initial, deque(), deque()  # starting/draining: times they change state
-    cum = dict(prompt=0.0, gen=0.0, fin=0.0, preempt=0.0, ttft_ok=0.0, ttft_n=0.0, itl_ok=0.0, itl_n=0.0)
+    cum = dict(prompt=0.0, gen=0.0, fin=0.0, preempt=0.0)
+    by = {k: np.zeros(nb) for k in ("prompt", "gen", "ttft_ok", "ttft_n", "itl_ok", "itl_n")}  # counters by bucket
     snaps: list[RoleSignals] = []
     paid_s, actions, desired, reasons = 0.0, 0, cfg.initial, []
     minute_paid = np.zeros(ticks // int(60 / dt) + 2)
@@ -117,16 +127,20 @@ def simulate(trace: Trace, ctrl: Controller, cfg: SimConfig, name: str = "") -> 
             new = int(np.searchsorted(pos, C + 1e-6, side="right"))
         if new > done_pre:
             sl = slice(done_pre, new)
-            oo, pp = o[sl], p[sl]
+            oo, pp, cc = o[sl], p[sl], cls[sl]
             # at full speed from the tick's start, after the recompute debt; never before its own prefill
             first[sl] = np.maximum(t0 + (from_debt + pos[sl] - C0) / speed, arr[sl] + alone[sl])
-            cum["ttft_n"] += len(oo)
-            cum["ttft_ok"] += float(np.count_nonzero(first[sl] - arr[sl] <= slo.ttft_s))
+            entering = np.bincount(cc, minlength=nb)
+            by["ttft_n"] += entering
+            by["ttft_ok"] += np.bincount(cc, first[sl] - arr[sl] <= ttft_t[cc], nb)
+            by["prompt"] += np.bincount(cc, pp, nb)
+            by["gen"] += entering
             cum["prompt"] += float(pp.sum())
             cum["gen"] += len(oo)
             multi = oo > 1
             cum["fin"] += float(len(oo) - multi.sum())
             B += int(multi.sum())
+            running += np.bincount(cc, multi, nb)
             kv_p += float(pp[multi].sum())
         # -- decode in the time prefill left
         if B and serving:
@@ -137,29 +151,30 @@ def simulate(trace: Trace, ctrl: Controller, cfg: SimConfig, name: str = "") -> 
                 s_in = S + n * np.clip((first[sl] - t0) / dt, 0.0, 1.0)
                 last_step[sl] = s_in + oo - 1
                 slots = last_step[sl][multi].astype(np.int64) % ring_len
-                np.add.at(ring_n, slots, 1.0)
+                np.add.at(ring_n, (slots, cc[multi]), 1.0)
                 np.add.at(ring_p, slots, pp[multi])
                 np.add.at(ring_s0, slots, s_in[multi])
                 kv_s0 += float(s_in[multi].sum())
             lo, hi = int(S) + 1, int(S + n)
-            ended = 0.0
+            ended = made = np.zeros(nb)
             if hi >= lo:
                 idx = np.arange(lo, min(hi, lo + ring_len - 1) + 1) % ring_len
-                ended = ring_n[idx].sum()
+                ended = ring_n[idx].sum(axis=0)
                 # tokens of the ones ending: generated up to their own finish step, not the tick's end
-                made = float(np.dot(ring_n[idx], np.arange(lo, lo + len(idx)) - S))
+                made = (np.arange(lo, lo + len(idx)) - S) @ ring_n[idx]
                 kv_p -= ring_p[idx].sum()
                 kv_s0 -= ring_s0[idx].sum()
-                ring_n[idx] = ring_p[idx] = ring_s0[idx] = 0.0
-            else:
-                made = 0.0
-            B -= int(round(ended))
+                ring_n[idx] = 0.0
+                ring_p[idx] = ring_s0[idx] = 0.0
+            B -= int(round(ended.sum()))
+            running -= ended
             S += n
-            tokens = B * n + made
-            cum["gen"] += tokens
-            cum["itl_n"] += tokens
-            cum["itl_ok"] += tokens if step_time <= slo.tpot_s else 0.0
-            cum["fin"] += ended
+            tokens = running * n + made
+            cum["gen"] += float(tokens.sum())
+            by["gen"] += tokens
+            by["itl_n"] += tokens
+            by["itl_ok"] += np.where(step_time <= tpot_t, tokens, 0.0)
+            cum["fin"] += float(ended.sum())
             # overflow preempts: evicted tokens are recomputed (served before the queue) and then held again
             K = max(kv_p + B * S - kv_s0 - evicted, 0.0)
             cap = prof.kv_tokens * serving
@@ -172,6 +187,7 @@ def simulate(trace: Trace, ctrl: Controller, cfg: SimConfig, name: str = "") -> 
         done_pre = new
         if not B:
             kv_p = kv_s0 = evicted = K = 0.0
+            running[:] = 0.0
         steps[k + 1] = S
         paid_s += (ready + len(starting) + len(draining)) * dt
         minute_paid[int(t0 // 60)] += (ready + len(starting) + len(draining)) * dt / 60
@@ -181,11 +197,12 @@ def simulate(trace: Trace, ctrl: Controller, cfg: SimConfig, name: str = "") -> 
                 UNIFIED, t1, pods=serving, waiting=float(arrived - done_pre), running=float(B),
                 kv_usage=K / (prof.kv_tokens * serving) if serving else 0.0, queued_prompt_tokens=queued,
                 preemptions=cum["preempt"], prompt_tokens=cum["prompt"], generation_tokens=cum["gen"],
-                finished=cum["fin"],
-                ttft={"default": Histogram((slo.ttft_s, math.inf), (cum["ttft_ok"], cum["ttft_n"]))},
-                itl={"default": Histogram((slo.tpot_s, math.inf), (cum["itl_ok"], cum["itl_n"]))}))
+                finished=cum["fin"], ttft=histograms(targets, ttft_t, by["ttft_ok"], by["ttft_n"]),
+                itl=histograms(targets, tpot_t, by["itl_ok"], by["itl_n"]),
+                by_bucket={"prompt_tokens": dict(zip(targets, by["prompt"].tolist())),
+                           "generation_tokens": dict(zip(targets, by["gen"].tolist()))}))
         if t1 % cfg.decide_s < dt / 2 or cfg.decide_s - t1 % cfg.decide_s < dt / 2:
-            d = ctrl.decide(t1, visible(snaps, t1, cfg, slo), Fleet(ready, len(starting)))
+            d = ctrl.decide(t1, visible(snaps, t1, cfg), Fleet(ready, len(starting)))
             if d.desired != desired:
                 actions += 1
                 reasons.append(f"t={t1:.0f}s {desired}->{d.desired}: {d.reason}")
@@ -201,7 +218,13 @@ def simulate(trace: Trace, ctrl: Controller, cfg: SimConfig, name: str = "") -> 
                   int(cum["preempt"]), reasons)
 
 
-def visible(snaps: list[RoleSignals], now: float, cfg: SimConfig, slo: SLO) -> Window | None:
+def histograms(targets: dict[str, SLO], bound: np.ndarray, ok: np.ndarray, n: np.ndarray) -> dict[str, Histogram]:
+    """Per bucket, the share within its target: one bound at the target (none for no target)."""
+    return {b: Histogram((x, math.inf), (k, m)) if math.isfinite(x) else Histogram((math.inf,), (m,))
+            for b, x, k, m in zip(targets, bound.tolist(), ok.tolist(), n.tolist())}
+
+
+def visible(snaps: list[RoleSignals], now: float, cfg: SimConfig) -> Window | None:
     """The window the controller can see: newest scrape older than the collection lag, against the
     scrape about `window_s` before it."""
     seen = [s for s in snaps[-int(cfg.window_s / cfg.scrape_s) - 4:] if s.t <= now - cfg.scrape_delay_s]
@@ -209,7 +232,7 @@ def visible(snaps: list[RoleSignals], now: float, cfg: SimConfig, slo: SLO) -> W
         return None
     new = seen[-1]
     old = next((s for s in reversed(seen) if s.t <= new.t - cfg.window_s), seen[0])
-    return window(old, new, {"default": (slo.ttft_s, slo.tpot_s)})
+    return window(old, new, {b: (x.ttft_s, x.tpot_s) for b, x in cfg.targets().items()})
 
 
 def crossing(curve: np.ndarray, level: np.ndarray, dt: float) -> np.ndarray:
@@ -224,13 +247,15 @@ def crossing(curve: np.ndarray, level: np.ndarray, dt: float) -> np.ndarray:
 
 def finish(trace: Trace, cfg: SimConfig, name: str, first: np.ndarray, last_step: np.ndarray, steps: np.ndarray,
            paid_s: float, actions: int, minute_paid: np.ndarray, preemptions: int, reasons: list[str]) -> Result:
-    slo, dt = cfg.slo, cfg.dt
+    targets, dt, cls = cfg.targets(), cfg.dt, trace.classes()
     arr, o = trace.arrival, trace.output.astype(np.float64)
     ttft = first - arr
     end = np.where(o > 1, crossing(steps, last_step, dt), first)
     with np.errstate(invalid="ignore"):  # inf - inf for requests that never started
         tpot = np.where(o > 1, (end - first) / np.maximum(o - 1, 1), 0.0)
-    good = np.isfinite(end) & (ttft <= slo.ttft_s) & (tpot <= slo.tpot_s)
+    limit = lambda a: np.array([getattr(x, a) for x in targets.values()])[cls]  # noqa: E731 (each request's own)
+    good = np.isfinite(end) & (ttft <= limit("ttft_s")) & (tpot <= limit("tpot_s")) & (end - arr <= limit("e2e_s"))
+    per = np.bincount(cls, good, len(targets)) / np.maximum(np.bincount(cls, minlength=len(targets)), 1)
     minute = (arr // 60).astype(np.int64)
     total = np.bincount(minute)
     attained = np.bincount(minute, weights=good) / np.maximum(total, 1)
@@ -240,4 +265,5 @@ def finish(trace: Trace, cfg: SimConfig, name: str, first: np.ndarray, last_step
     return Result(name, trace.name, float(good.mean()), paid_s / 3600, actions,
                   float(np.median(ttft[np.isfinite(ttft)])) if ok.any() else math.inf,
                   float(np.median(tpot[ok])) if ok.any() else math.inf, preemptions,
-                  np.arange(n) * 60.0, minute_paid[:n], attained, int(good.sum()), reasons)
+                  np.arange(n) * 60.0, minute_paid[:n], attained, int(good.sum()), reasons,
+                  dict(zip(targets, per.tolist())))

@@ -21,7 +21,15 @@ TRACES = ("conversation", "code", "long", "conversation-day", "code-day")
 # GPU (TTFT s, TPOT s) per trace kind: long prompts get a longer TTFT target. Other profiles get targets
 # scaled from their own speed (4x a lone mean request), as a CPU replica is orders of magnitude slower.
 GPU_SLOS = {"long": (2.0, 0.05), "*": (0.5, 0.05)}
-REF_MIX = (1000.0, 200.0)  # the mix the policy's capacity prior is computed for; it learns the rest
+REF_MIX = (1000.0, 200.0)  # the mix the policy's capacity priors are computed for (it prices each mix by the profile)
+# Each baseline's main parameter, tuned as its users would: `--sweep` tries these values on a trace, and the one it
+# chose on conversation-day (the cheapest reaching the target, else the most SLO-meeting requests per replica-hour)
+# is what every other run uses unless one is given (hpa:0.9). keda-queue's queue is empty whenever the fleet keeps
+# up, so it scales to its minimum and back at any threshold; a high one at least keeps it under static peak's cost.
+SWEEP = {"hpa": (0.5, 0.6, 0.7, 0.8, 0.9), "keda-queue": (1.0, 5.0, 20.0, 100.0, 500.0),
+         "thresholds": (0.1, 0.15, 0.2, 0.3, 0.5, 0.85)}
+TUNED = {"hpa": 0.8, "keda-queue": 500.0, "thresholds": 0.15}
+SETTING = {"hpa": "target={:g}", "keda-queue": "threshold={:g}", "thresholds": "kv_up={:g}"}  # the main parameter
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=2, help="processes running simulations")
     p.add_argument("--png", default="simulate.png", help="replicas and attainment over time ('' for none)")
     p.add_argument("--reasons", action="store_true", help="print slofleet's scaling decisions and reasons")
+    p.add_argument("--sweep", action="store_true",
+                   help="try each baseline's main parameter over a few values (SWEEP) and mark the best")
 
 
 def scenario(name: str, prof: profiles.Profile, args: argparse.Namespace) -> tuple[traces.Trace, SLO]:
@@ -64,18 +74,35 @@ def build(name: str, prof: profiles.Profile, ttft_s: float | None, tpot_s: float
     return traces.scale(base, replay_replicas * cap / base.rate), slo
 
 
+def resolve(policy: str) -> tuple[str, float | None]:
+    """'hpa:0.9' -> ('hpa', 0.9); a baseline without a value gets its tuned one."""
+    name, _, arg = policy.partition(":")
+    return name, float(arg) if arg else TUNED.get(name)
+
+
+def setting(policy: str) -> str:
+    name, value = resolve(policy)
+    if name == "slofleet":
+        return f"aim={PolicyConfig.aim:g}"
+    return SETTING[name].format(value) if name in SETTING else "-"
+
+
+def base_config(prof: profiles.Profile, slo: SLO, hi: int) -> PolicyConfig:
+    pre, dec = prof.rates(*REF_MIX, slo.tpot_s)
+    return PolicyConfig(slo=slo, max_replicas=hi, prefill_tps=pre, decode_tps=dec, profile=prof,
+                        cold_start_s=prof.cold_start_s)
+
+
 def controller(policy: str, trace: traces.Trace, prof: profiles.Profile, slo: SLO, n: int, hi: int):
-    policy, _, arg = policy.partition(":")
+    policy, value = resolve(policy)
     if policy == "slofleet":
-        pre, dec = prof.rates(*REF_MIX, slo.tpot_s)
-        return Policy(PolicyConfig(slo=slo, max_replicas=hi, prefill_tps=pre, decode_tps=dec,
-                                   cold_start_s=prof.cold_start_s))
+        return Policy(base_config(prof, slo, hi))
     if policy == "hpa":
-        return HPA(prof, slo.tpot_s, float(arg or 0.7), HPABehavior(max_replicas=hi))
+        return HPA(prof, slo.tpot_s, value, HPABehavior(max_replicas=hi))
     if policy == "keda-queue":
-        return KEDAQueue(float(arg or 5.0), HPABehavior(max_replicas=hi))
+        return KEDAQueue(value, HPABehavior(max_replicas=hi))
     if policy == "thresholds":
-        return Thresholds(max_replicas=hi)
+        return Thresholds(kv_up=value, kv_down=value / 2, max_replicas=hi)
     if policy == "oracle":
         return Oracle(trace, prof, slo.tpot_s, max_replicas=hi)
     return Static(n)
@@ -134,6 +161,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n{name}: {len(trace.arrival):,} requests over {trace.duration / 3600:.2f} h, "
                   f"{trace.rate:.1f} req/s mean; SLO TTFT {slo.ttft_s * 1e3:.0f} ms, TPOT {slo.tpot_s * 1e3:.0f} ms, "
                   f"target {slo.target:.0%} of requests meeting both", flush=True)
+            if args.sweep:
+                sweep(name, policies, args, pool)
+                continue
             dynamic = [p for p in policies if p != "static-peak"]
             rs = list(pool.map(run_one, [(p, name, args, 0) for p in dynamic]))
             if "static-peak" in policies:
@@ -147,21 +177,38 @@ def run(args: argparse.Namespace) -> int:
                 for r in rs:
                     if r.policy == "slofleet":
                         print("\n".join(r.reasons))
-    if args.png:
+    if args.png and results:
         plot(results, args.png)
         print(f"\nwrote {args.png}")
     return 0
 
 
-def table(rs: list[Result]) -> None:
+def table(rs: list[Result], mark: Result | None = None) -> None:
+    """The first four columns (policy, attain, rep-h, vs static) and the row labels are what scripts read."""
     static = next((r.replica_hours for r in rs if r.policy == "static-peak"), None)
     print(f"{'policy':<12} {'attain':>7} {'rep-h':>8} {'vs static':>9} {'good/rep-h':>10} {'actions':>7} "
-          f"{'TTFT p50':>9} {'TPOT p50':>9} {'preempt':>7}")
+          f"{'TTFT p50':>9} {'TPOT p50':>9} {'preempt':>7}  setting")
     for r in rs:
         rel = f"{r.replica_hours / static:.0%}" if static else "-"
-        label = f"static-{max(r.replicas):.0f}" if r.policy == "static-peak" else r.policy
+        label = f"static-{max(r.replicas):.0f}" if r.policy == "static-peak" else resolve(r.policy)[0]
         print(f"{label:<12} {r.attainment:>7.1%} {r.replica_hours:>8.1f} {rel:>9} {r.goodput_per_rh:>10,.0f} "
-              f"{r.actions:>7} {r.ttft_p50 * 1e3:>7.0f}ms {r.tpot_p50 * 1e3:>7.1f}ms {r.preemptions:>7}", flush=True)
+              f"{r.actions:>7} {r.ttft_p50 * 1e3:>7.0f}ms {r.tpot_p50 * 1e3:>7.1f}ms {r.preemptions:>7}  "
+              f"{setting(r.policy)}{'  <- best' if r is mark else ''}", flush=True)
+
+
+def best(rs: list[Result], target: float) -> Result:
+    """The cheapest setting reaching the target; when none does, the most SLO-meeting requests per replica-hour."""
+    ok = [r for r in rs if r.attainment >= target]
+    return min(ok, key=lambda r: r.replica_hours) if ok else max(rs, key=lambda r: r.goodput_per_rh)
+
+
+def sweep(name: str, policies: list[str], args: argparse.Namespace, pool: ProcessPoolExecutor) -> None:
+    """Each baseline's main parameter over SWEEP on one trace, beside static peak; the best one marked."""
+    static = static_peak(name, args, pool)
+    for policy in [p for p in SWEEP if p in policies]:
+        rs = list(pool.map(run_one, [(f"{policy}:{v:g}", name, args, 0) for v in SWEEP[policy]]))
+        print(f"{policy} over its {SETTING[policy].split('=')[0]}:")
+        table([static, *rs], best(rs, args.target))
 
 
 def plot(results: dict[str, list[Result]], path: str) -> None:

@@ -21,6 +21,10 @@ class Trace:
     arrival: np.ndarray  # seconds from the start, sorted
     prompt: np.ndarray  # prompt tokens
     output: np.ndarray  # generated tokens (>= 1)
+    bucket: np.ndarray | None = None  # each request's bucket (an index into the simulator's buckets); None: all 0
+
+    def classes(self) -> np.ndarray:
+        return np.zeros(len(self.arrival), np.int64) if self.bucket is None else self.bucket
 
     @property
     def duration(self) -> float:
@@ -32,7 +36,7 @@ class Trace:
 
     def head(self, seconds: float) -> Trace:
         n = int(np.searchsorted(self.arrival, seconds))
-        return Trace(self.name, self.arrival[:n], self.prompt[:n], self.output[:n])
+        return Trace(self.name, self.arrival[:n], self.prompt[:n], self.output[:n], self.classes()[:n])
 
 
 @functools.cache  # parsed once per process; callers never modify a Trace's arrays
@@ -56,7 +60,7 @@ def load(name: str) -> Trace:
 
 def scale(trace: Trace, speed: float) -> Trace:
     """Replay `speed` times faster: the same requests, arrival rate x speed."""
-    return Trace(trace.name, trace.arrival / speed, trace.prompt, trace.output)
+    return Trace(trace.name, trace.arrival / speed, trace.prompt, trace.output, trace.bucket)
 
 
 def diurnal(peak_to_mean: float, seconds: int, peak_hour: float = 14.0) -> np.ndarray:
