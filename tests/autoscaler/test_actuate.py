@@ -31,9 +31,12 @@ def test_settings_take_bounds_timing_and_slos_from_the_resource():
     assert (dec.up_window_s, dec.down_window_s, dec.kv_high, dec.stale_after_s) == (10, 40, 0.7, 15)
     assert (dec.decode_tps, dec.cold_start_s) == (123.0, 30.0)  # priors from the command line
     assert got["prefill"].policy.min_replicas == 1 and got["decode"].window_s == 20
-    # the strictest targets and percentile; a bucket without TTFT/TPOT targets is not measured
+    # each bucket's own targets and percentile; the policy's own SLO is the strictest of them
     assert (dec.slo.ttft_s, dec.slo.tpot_s, dec.slo.target) == (0.5, 0.05, 0.99)
-    assert got["decode"].slo == {"chat": (0.5, 0.05), "doc": (4.0, math.inf)}
+    assert got["decode"].slo == {"chat": (0.5, 0.05, math.inf), "doc": (4.0, math.inf, math.inf),
+                                 "batch": (math.inf, math.inf, 60.0)}
+    assert (dec.buckets["chat"].target, dec.buckets["batch"].target, dec.buckets["batch"].e2e_s) == (0.95, 0.99, 60.0)
+    assert (dec.grace_s, dec.signals) == (30, {"slo", "queue", "kvCache"})  # drainSeconds, and every signal
 
 
 def test_a_decision_becomes_a_merge_patch_of_its_own_role_that_the_status_model_accepts():

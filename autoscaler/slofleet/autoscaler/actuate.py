@@ -20,31 +20,40 @@ MESSAGE_LIMIT = 1024  # the API server's limit on an Event message
 @dataclass(frozen=True)
 class RoleSettings:
     policy: PolicyConfig
-    slo: dict[str, tuple[float, float]]  # bucket -> (TTFT s, TPOT s), what `signals.window` measures against
+    slo: dict[str, tuple[float, ...]]  # bucket -> (TTFT s, TPOT s, E2E s), what `signals.window` measures against
     window_s: float
 
 
-def slo_targets(buckets: list[Bucket]) -> tuple[SLO, dict[str, tuple[float, float]]]:
-    """Per-bucket targets (a missing one is no target: infinity) and the policy's SLO: the strictest
-    targets and percentile, since attainment is judged on the worst bucket."""
-    per = {b.name: ((b.slo.ttft_ms or math.inf) / 1000, (b.slo.tpot_ms or math.inf) / 1000)
-           for b in buckets if b.slo.ttft_ms or b.slo.tpot_ms}
+def bucket_slos(buckets: list[Bucket]) -> dict[str, SLO]:
+    """Each bucket's targets (one it does not set: none, infinite) at its own percentile."""
+    s = lambda ms: math.inf if ms is None else ms / 1000  # noqa: E731
+    return {b.name: SLO(s(b.slo.ttft_ms), s(b.slo.tpot_ms), b.slo.percentile / 100, s(b.slo.e2e_ms)) for b in buckets}
+
+
+def slo_targets(buckets: list[Bucket]) -> tuple[SLO, dict[str, tuple[float, ...]]]:
+    """Per-bucket targets, and the policy's own SLO (for what no bucket sets, e.g. the TPOT a scale-down's
+    in-flight work is estimated at): the strictest targets and percentile."""
+    per, default = bucket_slos(buckets), SLO()
     if not per:
-        default = SLO()
         return default, {"default": (default.ttft_s, default.tpot_s)}
-    strict = [b.slo.percentile for b in buckets if b.name in per]
-    return SLO(min(t for t, _ in per.values()), min(t for _, t in per.values()), max(strict) / 100), per
+    strictest = lambda got, fallback: min((t for t in got if math.isfinite(t)), default=fallback)  # noqa: E731
+    return (SLO(strictest([b.ttft_s for b in per.values()], default.ttft_s),
+                strictest([b.tpot_s for b in per.values()], default.tpot_s), max(b.target for b in per.values())),
+            {name: (b.ttft_s, b.tpot_s, b.e2e_s) for name, b in per.items()})
 
 
 def settings(svc: LLMService, buckets: list[Bucket], base: PolicyConfig) -> dict[str, RoleSettings]:
-    """Each role's policy from the resource: bounds from spec.topology, timing from spec.autoscaling, SLOs
-    from the buckets; the capacity priors and cold start from `base` (the command line)."""
+    """Each role's policy from the resource: bounds from spec.topology, timing and signals from spec.autoscaling,
+    each bucket's SLO at its percentile, the time in-flight work has to finish from spec.engine.drainSeconds;
+    the capacity priors and cold start from `base` (the command line)."""
     a = svc.spec.autoscaling
     slo, per_bucket = slo_targets(buckets)
     return {role: RoleSettings(dataclasses.replace(
-                base, role=role, slo=slo, min_replicas=pool.min_replicas, max_replicas=pool.max_replicas,
-                up_window_s=a.scale_up_stabilization_seconds, down_window_s=a.scale_down_stabilization_seconds,
-                kv_high=a.target_kv_cache_usage, stale_after_s=STALE_INTERVALS * a.interval_seconds),
+                base, role=role, slo=slo, buckets=bucket_slos(buckets), min_replicas=pool.min_replicas,
+                max_replicas=pool.max_replicas, up_window_s=a.scale_up_stabilization_seconds,
+                down_window_s=a.scale_down_stabilization_seconds, kv_high=a.target_kv_cache_usage,
+                stale_after_s=STALE_INTERVALS * a.interval_seconds, grace_s=svc.spec.engine.drain_seconds,
+                signals=frozenset(a.signals)),
                 per_bucket, WINDOW_INTERVALS * a.interval_seconds)
             for role, pool in svc.spec.topology.pools().items()}
 

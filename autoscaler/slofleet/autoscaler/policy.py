@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from slofleet.api.contract import DECODE, PREFILL, ROLES, UNIFIED
+from slofleet.api.v1alpha1 import SIGNALS
 
 from .forecast import Forecaster
 from .profiles import Profile
@@ -58,6 +59,7 @@ class PolicyConfig:
     waiting_per_replica: float = 5.0  # saturation: queue per replica
     kv_high: float = 0.9  # saturation: KV usage
     grace_s: float = 60.0  # drain: in-flight requests must finish within the pod's grace period
+    signals: frozenset[str] = frozenset(SIGNALS)  # what may add replicas beside the forecast (spec.autoscaling)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -127,9 +129,10 @@ class Policy:
         return self.cfg.buckets.get(bucket, self.cfg.slo)
 
     def attained(self, b: BucketWindow) -> float | None:
-        """The share of this role's latency a bucket met: prefill reads TTFT, decode TPOT, unified both."""
-        seen = [x for x, role in ((b.ttft_attainment, PREFILL), (b.itl_attainment, DECODE))
-                if x is not None and self.cfg.role in (role, UNIFIED)]
+        """The share of this role's latency a bucket met: prefill reads TTFT, decode TPOT and E2E (a decode engine
+        answers the whole request), unified all three."""
+        clocks = ((b.ttft_attainment, PREFILL), (b.itl_attainment, DECODE), (b.e2e_attainment, DECODE))
+        seen = [x for x, role in clocks if x is not None and self.cfg.role in (role, UNIFIED)]
         return min(seen) if seen else None
 
     def rates(self, prompt: float, output: float) -> tuple[float, float]:
@@ -175,17 +178,18 @@ class Policy:
         return self.target(bucket).target if z is None else 1 / (1 + math.exp(-z))
 
     def pressure(self, win: Window) -> tuple[list[str], list[str]]:
-        """This role's missed percentiles and its saturation: prefill reads TTFT and its queue, decode reads
-        TPOT (inter-token latency), KV usage and preemptions; unified reads all."""
+        """This role's missed percentiles and its saturation, of the signals it is given (slo, queue, kvCache):
+        prefill reads TTFT and its queue, decode reads TPOT (inter-token latency), E2E, KV usage and preemptions;
+        unified reads all."""
         cfg, s = self.cfg, win.now
-        pods, miss, full = max(s.pods, 1), [], []
-        for name, b in self.buckets(win).items():
+        pods, miss, full, on = max(s.pods, 1), [], [], cfg.signals
+        for name, b in self.buckets(win).items() if "slo" in on else ():
             got, want = self.attained(b), self.target(name).target
             if got is not None and got < want:
                 miss.append(f"{name} attainment {got:.1%} < {want:.0%}")
-        if cfg.role != DECODE and s.waiting / pods > cfg.waiting_per_replica:
+        if cfg.role != DECODE and "queue" in on and s.waiting / pods > cfg.waiting_per_replica:
             full.append(f"{s.waiting / pods:.1f} waiting per replica")
-        if cfg.role != PREFILL:
+        if cfg.role != PREFILL and "kvCache" in on:
             if s.kv_usage > cfg.kv_high:
                 full.append(f"KV usage {s.kv_usage:.0%}")
             if win.preemption_rate > 0:

@@ -156,6 +156,7 @@ class BucketWindow:
     mean_output: float  # generated tokens per first token (a steady window's output length)
     ttft_attainment: float | None
     itl_attainment: float | None
+    e2e_attainment: float | None = None  # where the bucket sets an E2E target
 
 
 @dataclass
@@ -174,9 +175,9 @@ class Window:
     buckets: dict[str, BucketWindow] = field(default_factory=dict)  # the buckets with first tokens in the window
 
 
-def window(old: RoleSignals, new: RoleSignals, slo: dict[str, tuple[float, float]]) -> Window:
-    """Rates and attainment between two scrapes; `slo` maps bucket -> (TTFT s, TPOT s). Buckets without an
-    SLO use the 'default' one when there is one."""
+def window(old: RoleSignals, new: RoleSignals, slo: dict[str, tuple[float, ...]]) -> Window:
+    """Rates and attainment between two scrapes; `slo` maps bucket -> (TTFT s, TPOT s[, E2E s]), infinite where
+    there is no target. Buckets without an SLO use the 'default' one when there is one."""
     dt = max(new.t - old.t, 1e-9)
     delta = lambda attr: max(getattr(new, attr) - getattr(old, attr), 0.0)  # noqa: E731 (counter reset -> 0)
     firsts_by = {b: h.minus(old.ttft.get(b)).total for b, h in new.ttft.items()}
@@ -187,7 +188,8 @@ def window(old: RoleSignals, new: RoleSignals, slo: dict[str, tuple[float, float
         out = {}
         for b, h in getattr(new, kind).items():
             target = slo.get(b, slo.get("default"))
-            share = h.minus(getattr(old, kind).get(b)).fraction_le(target[which]) if target else None
+            limit = target[which] if target and len(target) > which else math.inf
+            share = h.minus(getattr(old, kind).get(b)).fraction_le(limit) if math.isfinite(limit) else None
             if share is not None:
                 out[b] = share
         return out
@@ -198,9 +200,9 @@ def window(old: RoleSignals, new: RoleSignals, slo: dict[str, tuple[float, float
             return delta(attr) / firsts
         return max(new.by_bucket[attr][b] - old.by_bucket.get(attr, {}).get(b, 0.0), 0.0) / n
 
-    ttft, itl = shares("ttft", 0), shares("itl", 1)
+    ttft, itl, e2e = shares("ttft", 0), shares("itl", 1), shares("e2e", 2)
     buckets = {b: BucketWindow(n, arrivals * n / firsts / dt, per_request("prompt_tokens", b, n),
-                               per_request("generation_tokens", b, n), ttft.get(b), itl.get(b))
+                               per_request("generation_tokens", b, n), ttft.get(b), itl.get(b), e2e.get(b))
                for b, n in firsts_by.items() if n > 0}
     return Window(
         now=new, seconds=dt, arrival_rate=arrivals / dt,
