@@ -22,6 +22,7 @@ class Forecaster:
     keep_s: float = 3600.0  # forecast errors are kept this long
     samples: deque = field(default_factory=deque)  # (time, value) within trend_s
     level: float | None = None  # the line at the newest sample
+    noise: float = 0.0  # the newest sample's counting noise, relative
     trend: float = 0.0  # its slope, per second
     pending: deque = field(default_factory=deque)  # (due time, forecast)
     errors: deque = field(default_factory=deque)  # (time, log(actual / forecast))
@@ -34,8 +35,8 @@ class Forecaster:
     def t(self) -> float:
         return self.samples[-1][0] if self.samples else -math.inf
 
-    def add(self, t: float, y: float) -> None:
-        """A window's value `y`, timed at the window's middle."""
+    def add(self, t: float, y: float, n: float = math.inf) -> None:
+        """A window's value `y`, timed at the window's middle, counted from `n` requests."""
         if t <= self.t:
             return
         while self.pending and self.pending[0][0] <= t:
@@ -44,6 +45,7 @@ class Forecaster:
         while self.errors and self.errors[0][0] < t - self.keep_s:
             self.errors.popleft()
         self.samples.append((t, y))
+        self.noise = 2 / math.sqrt(max(n, 1.0))  # two standard deviations of a count of n, relative
         while self.samples[0][0] < t - self.trend_s:
             self.samples.popleft()
         ts, ys = np.array(self.samples).T
@@ -84,7 +86,7 @@ class Forecaster:
         if math.isfinite(bend):
             f += bend
         recent = self.samples[-1][1]
-        return max(f, recent if recent > self.level else 0.0, 0.0)
+        return max(f, recent if recent > self.level * (1 + self.noise) else 0.0, 0.0)
 
     def predict(self, when: float) -> float:
         """The forecast the policy acts on; its error is measured when `when` comes."""

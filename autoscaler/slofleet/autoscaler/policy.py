@@ -162,7 +162,7 @@ class Policy:
             self.forecasts[name].add(mid, 0.0)  # a bucket without requests in a window has no load
         for name, b in seen.items():
             self.forecasts.setdefault(name, Forecaster(cfg.trend_s, cfg.level_s)).add(
-                mid, self.demand(b.arrival_rate, b.mean_prompt, b.mean_output))
+                mid, self.demand(b.arrival_rate, b.mean_prompt, b.mean_output), b.requests)
         when = now + cfg.cold_start_s
         load = {n: f.predict(when) for n, f in self.forecasts.items()}
         room = {n: f.headroom(self.level(n)) for n, f in self.forecasts.items()}
@@ -173,9 +173,9 @@ class Policy:
                                         f"{need:.1f} replicas")
 
     def level(self, bucket: str) -> float:
-        """The quantile of forecast errors a bucket's headroom covers (it starts at the bucket's percentile)."""
-        z = self.quantile.get(bucket)
-        return self.target(bucket).target if z is None else 1 / (1 + math.exp(-z))
+        """The quantile of forecast errors a bucket's headroom covers: from the median (no headroom until misses
+        show that some is needed) up to 0.999."""
+        return 1 / (1 + math.exp(-self.quantile.get(bucket, 0.0)))
 
     def pressure(self, win: Window) -> tuple[list[str], list[str]]:
         """This role's missed percentiles and its saturation, of the signals it is given (slo, queue, kvCache):
