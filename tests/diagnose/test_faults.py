@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.router.helpers import RouterProc
+from tests.support.router import RouterProc
 from tests.support.server import Server
 
 from .helpers import HEALTHY, SlowRelay, diagnose, send

@@ -17,7 +17,7 @@ from prometheus_client.utils import floatToGoString
 from slofleet.api import dashboard
 from slofleet.api.contract import BUCKET_HEADER, parse_samples
 from tests.k8s.conftest import CLUSTER, REPO
-from tests.router.helpers import RouterProc
+from tests.support.router import RouterProc
 from tests.support.server import Server
 
 CHART = REPO / "charts" / "slofleet"

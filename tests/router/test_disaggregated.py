@@ -11,9 +11,10 @@ import openai
 import pytest
 
 from slofleet.api.contract import INTERNAL_TOKEN_ENV
+from tests.support.router import RouterProc
 from tests.support.server import INTERNAL_TOKEN, prefill_decode_pair
 
-from .helpers import RouterProc, StandIn
+from .helpers import StandIn
 from .test_engines import DOC, ENGINE_FLAGS, MODEL
 
 pytestmark = pytest.mark.slow

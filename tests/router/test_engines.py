@@ -11,9 +11,8 @@ import httpx
 import openai
 import pytest
 
+from tests.support.router import RouterProc
 from tests.support.server import Server
-
-from .helpers import RouterProc
 
 pytestmark = pytest.mark.slow
 

@@ -8,9 +8,10 @@ import time
 import httpx
 import pytest
 
+from tests.support.router import RouterProc
 from tests.support.server import free_port
 
-from .helpers import RouterProc, StandIn
+from .helpers import StandIn
 
 BUCKETS = {"buckets": [
     {"name": "batch", "priority": 5, "match": {"header": {"x-tier": "batch"}}, "slo": {"ttftMs": 60000}},

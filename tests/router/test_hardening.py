@@ -18,8 +18,9 @@ import pytest
 
 from slofleet.router.gateway import GatewayError, KeyStore
 from tests.support import ROOT
+from tests.support.router import RouterProc
 
-from .helpers import RouterProc, StandIn
+from .helpers import StandIn
 
 KEYS = "sk-free\nsk-ctx tpm=1000\nsk-cpl tpm=1000\n"
 

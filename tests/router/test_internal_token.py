@@ -6,8 +6,9 @@ from __future__ import annotations
 import httpx
 
 from slofleet.api.contract import INTERNAL_TOKEN_ENV, PREFILL_HEADER
+from tests.support.router import RouterProc
 
-from .helpers import RouterProc, StandIn
+from .helpers import StandIn
 
 TOKEN = "internal-token-for-tests"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there, a prompt"}], "stream": True}

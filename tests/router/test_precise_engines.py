@@ -9,9 +9,8 @@ import time
 import httpx
 import pytest
 
+from tests.support.router import RouterProc
 from tests.support.server import Server, free_port
-
-from .helpers import RouterProc
 
 pytestmark = pytest.mark.slow
 

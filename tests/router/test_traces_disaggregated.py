@@ -16,9 +16,9 @@ import pytest
 from slofleet.api.contract import INTERNAL_TOKEN_ENV
 from tests.support import ROOT
 from tests.support.otlp import OTLPStandIn
+from tests.support.router import RouterProc
 from tests.support.server import INTERNAL_TOKEN, prefill_decode_pair
 
-from .helpers import RouterProc
 from .test_disaggregated import LONG
 from .test_engines import ENGINE_FLAGS, MODEL
 

@@ -10,8 +10,9 @@ import httpx
 from slofleet.tracing.core import SPANS_PER_TRACE, Tracing, request_id
 from slofleet.tracing.waterfall import render
 from tests.support.otlp import OTLPStandIn
+from tests.support.router import RouterProc
 
-from .helpers import RouterProc, StandIn
+from .helpers import StandIn
 
 TRACE_ID, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}

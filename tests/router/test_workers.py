@@ -7,7 +7,9 @@ from pathlib import Path
 
 import httpx
 
-from .helpers import RouterProc, StandIn
+from tests.support.router import RouterProc
+
+from .helpers import StandIn
 
 
 def children(pid: int) -> list[int]:
