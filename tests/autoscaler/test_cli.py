@@ -88,3 +88,15 @@ def test_simulate_prints_a_table_per_trace_and_draws_a_png(tmp_path, capsys):
     static = next(r for r in rows if r[0].startswith("static-"))
     assert float(static[1].rstrip("%")) >= 95.0  # static peak is the smallest count reaching the target
     assert png.stat().st_size > 10_000
+
+
+def test_sweep_tries_each_baselines_main_parameter_and_marks_the_best(capsys):
+    p = argparse.ArgumentParser()
+    simulate_cli.add_arguments(p)
+    args = p.parse_args(["--traces", "conversation", "--policies", "hpa", "--sweep", "--png", "", "--jobs", "1"])
+    assert simulate_cli.run(args) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("hpa ")]
+    assert [r[-1] if r[-1].startswith("target=") else r[-3] for r in rows] == \
+        [f"target={v:g}" for v in simulate_cli.SWEEP["hpa"]]
+    best = [r for r in rows if r[-1] == "best"]
+    assert len(best) == 1  # the cheapest reaching the target, else the most goodput per replica-hour

@@ -1,3 +1,5 @@
+import math
+
 from slofleet.autoscaler.forecast import Forecaster
 from slofleet.autoscaler.policy import SLO, Fleet, Policy, PolicyConfig
 from slofleet.autoscaler.signals import RoleSignals, Window
@@ -114,3 +116,16 @@ def test_capacity_is_learnt_when_the_fleet_saturates_below_the_prior():
     assert p.scale < 0.8
     # the forecast now plans more replicas for the same rate than the prior would
     assert p.decide(615, win(615, 8.0, pods=8), Fleet(8)).desired > 2
+
+
+def test_a_seen_season_bends_the_forecast_at_the_turns_a_trend_misses():
+    season = 3600.0
+    f = Forecaster(trend_s=600, season_s=season, slot_s=120)
+    load = lambda t: 10 + 5 * math.sin(2 * math.pi * t / season)  # noqa: E731 (peaks at a quarter of the season)
+    errors = []
+    for day in range(2):
+        for t in range(int(day * season), int((day + 1) * season), 15):
+            if t % season == season / 4 - 300:  # five minutes before the peak, forecast the peak
+                errors.append(abs(f.at(t + 300) - load(t + 300)))
+            f.add(float(t), load(t))
+    assert errors[1] < errors[0] / 2  # the first day's trend runs past the peak; the second knows the turn

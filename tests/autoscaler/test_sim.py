@@ -112,3 +112,29 @@ def test_simulator_matches_the_engine_measured_on_this_machine():
     r = simulate(trace, Static(1), SimConfig(prof, SLO(60.0, 10.0), initial=1, dt=0.1))
     assert r.ttft_p50 == pytest.approx(v["ttft_p50_s"], rel=0.25)
     assert r.tpot_p50 == pytest.approx(v["tpot_p50_s"], rel=0.25)
+
+
+class Watch(Static):
+    """A static fleet that keeps the windows it is shown."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.seen = []
+
+    def decide(self, now, win, fleet):
+        if win is not None:
+            self.seen.append(win)
+        return super().decide(now, win, fleet)
+
+
+def test_each_request_is_judged_by_its_own_buckets_targets_and_the_policy_sees_them_apart():
+    t = poisson(10.0, 300)  # ~30 ms to a first token on an idle replica
+    trace = Trace("toy", t.arrival, t.prompt, t.output, np.arange(len(t.arrival)) % 2)
+    watch = Watch(2)
+    r = simulate(trace, watch, SimConfig(TOY, SLO_, initial=2, buckets={"strict": SLO(0.001, 0.05),
+                                                                         "easy": SLO(1.0, 0.05)}))
+    assert r.buckets == {"strict": 0.0, "easy": 1.0} and r.attainment == pytest.approx(0.5, abs=0.01)
+    last = watch.seen[-20]  # a window while requests still arrive
+    assert set(last.buckets) == {"strict", "easy"}
+    assert last.buckets["strict"].ttft_attainment == 0.0 and last.buckets["easy"].ttft_attainment == 1.0
+    assert last.buckets["easy"].mean_prompt == pytest.approx(500) and last.buckets["easy"].arrival_rate > 3

@@ -59,6 +59,8 @@ class HPA:
             return self.hpa.apply(now, None, fleet, "")
         pre, dec = self.profile.rates(win.mean_prompt, win.mean_output, self.tpot_s)
         util = min((win.prompt_rate / pre + win.output_rate / dec) / fleet.ready, 1.0)
+        if util > self.target and fleet.starting:  # as Kubernetes does: a pod not ready counts as idle to scale up
+            util *= fleet.ready / fleet.total
         return self.hpa.apply(now, util / self.target, fleet, f"utilisation {util:.0%} vs {self.target:.0%}")
 
 

@@ -22,7 +22,7 @@ class Forecaster:
     keep_s: float = 3600.0  # forecast errors are kept this long
     samples: deque = field(default_factory=deque)  # (time, value) within trend_s
     level: float | None = None  # the line at the newest sample
-    noise: float = 0.0  # the newest sample's counting noise, relative
+    noise: float = 0.0  # the newest sample's counting noise, relative to it
     trend: float = 0.0  # its slope, per second
     pending: deque = field(default_factory=deque)  # (due time, forecast)
     errors: deque = field(default_factory=deque)  # (time, log(actual / forecast))
@@ -45,7 +45,8 @@ class Forecaster:
         while self.errors and self.errors[0][0] < t - self.keep_s:
             self.errors.popleft()
         self.samples.append((t, y))
-        self.noise = 2 / math.sqrt(max(n, 1.0))  # two standard deviations of a count of n, relative
+        # two standard deviations of a count of n bursty arrivals (variance about 4n; a Poisson count's is n)
+        self.noise = 4 / math.sqrt(max(n, 1.0))
         while self.samples[0][0] < t - self.trend_s:
             self.samples.popleft()
         ts, ys = np.array(self.samples).T
@@ -76,8 +77,8 @@ class Forecaster:
 
     def at(self, when: float) -> float:
         """Level plus trend until `when`, bent by the curvature the previous season had over the same span (a
-        linear trend misses the turns of the day); never below the latest samples when they rise above the level,
-        so a sustained step counts within two samples while one noisy sample does not."""
+        linear trend misses the turns of the day); never below the newest sample when it rises above the level by
+        more than its counting noise, so a step counts at once while a small window's noise does not."""
         if self.level is None:
             return 0.0
         h = when - self.t

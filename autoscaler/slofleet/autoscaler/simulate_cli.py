@@ -36,17 +36,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--traces", default="conversation,code,long,conversation-day", help=f"any of {','.join(TRACES)}")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help=f"any of {','.join(POLICIES)}; hpa:0.9 or keda-queue:2 set the baseline's target")
-    p.add_argument("--profile", default="gpu", help="gpu (published H100 figures), cpu (measured here) or a JSON path")
+    p.add_argument("--profile", "--replica-profile", dest="profile", default="gpu",
+                   help="replica profile: gpu (published H100 figures), cpu (measured here) or a JSON path")
     p.add_argument("--ttft", type=float, help="TTFT target in seconds (default: per trace and profile)")
     p.add_argument("--tpot", type=float, help="TPOT target in seconds (default: per trace and profile)")
     p.add_argument("--target", type=float, default=SLO.target, help="attainment target")
-    p.add_argument("--peak-replicas", type=float, default=20.0, help="synthesized days need about this many at peak")
-    p.add_argument("--replay-replicas", type=float, default=2.0, help="real traces need about this many at mean")
+    p.add_argument("--peak-replicas", type=float, help="synthesized days need about this many at peak (default 20; "
+                   "with --llmservice 3/4 of its maxReplicas)")
+    p.add_argument("--replay-replicas", type=float, help="real traces need about this many at mean (default 2; with "
+                   "--llmservice half its maxReplicas)")
     p.add_argument("--hours", type=float, default=24.0, help="length of a synthesized day")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=2, help="processes running simulations")
     p.add_argument("--png", default="simulate.png", help="replicas and attainment over time ('' for none)")
     p.add_argument("--reasons", action="store_true", help="print slofleet's scaling decisions and reasons")
+    p.add_argument("--llmservice", metavar="FILE.yaml",
+                   help="predict this LLMService on --traces: per-bucket attainment, replica-hours, cost, replicas")
+    p.add_argument("--compare", metavar="NEW.yaml", help="with --llmservice: a proposed spec, predicted beside it")
+    p.add_argument("--price-per-hour", type=float, help="with --llmservice: one replica's price (default: the "
+                   "spec's engine.pricePerHour)")
     p.add_argument("--sweep", action="store_true",
                    help="try each baseline's main parameter over a few values (SWEEP) and mark the best")
 
@@ -147,6 +155,17 @@ def static_peak(name: str, args: argparse.Namespace, pool: ProcessPoolExecutor) 
 
 def run(args: argparse.Namespace) -> int:
     names = [t for t in args.traces.split(",") if t]
+    if [x for x in names if x not in TRACES]:
+        print(f"unknown trace: {', '.join(x for x in names if x not in TRACES)}")
+        return 2
+    if args.compare and not args.llmservice:
+        print("--compare needs --llmservice (the current spec it is compared with)")
+        return 2
+    if args.llmservice:
+        from . import preview
+        return preview.run(args)
+    args = argparse.Namespace(**{**vars(args), "peak_replicas": args.peak_replicas or 20.0,
+                                 "replay_replicas": args.replay_replicas or 2.0})
     policies = [p for p in args.policies.split(",") if p]
     unknown = [x for x in names if x not in TRACES] + [x for x in policies if x.partition(":")[0] not in POLICIES]
     if unknown:
@@ -207,7 +226,7 @@ def sweep(name: str, policies: list[str], args: argparse.Namespace, pool: Proces
     static = static_peak(name, args, pool)
     for policy in [p for p in SWEEP if p in policies]:
         rs = list(pool.map(run_one, [(f"{policy}:{v:g}", name, args, 0) for v in SWEEP[policy]]))
-        print(f"{policy} over its {SETTING[policy].split('=')[0]}:")
+        print(f"sweep of {policy} over its {SETTING[policy].split('=')[0]}:")
         table([static, *rs], best(rs, args.target))
 
 
