@@ -13,7 +13,9 @@ import time
 import httpx
 import pytest
 
-from tests.support.server import Server
+from slofleet.api.contract import INTERNAL_TOKEN_ENV
+from tests.support.router import RouterProc
+from tests.support.server import INTERNAL_TOKEN, Server
 
 pytestmark = pytest.mark.slow
 
@@ -212,8 +214,9 @@ def check_response(r: httpx.Response, text: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    # The service's internal token, as in a cluster: the engine answers only its router.
     srv = Server("--max-model-len", "512", "--max-num-seqs", "16", "--max-request-bytes", str(BODY_LIMIT),
-                 log=tmp_path_factory.mktemp("fuzz") / "server.log")
+                 log=tmp_path_factory.mktemp("fuzz") / "server.log", env={INTERNAL_TOKEN_ENV: INTERNAL_TOKEN})
     try:
         srv.wait_ready()
         yield srv
@@ -221,7 +224,19 @@ def server(tmp_path_factory):
         srv.stop()
 
 
-async def fire(url: str, all_cases: list[tuple[str, bytes]]) -> tuple[collections.Counter, list[str], float]:
+@pytest.fixture(scope="module")
+def router(server, tmp_path_factory):
+    proc = RouterProc("--upstream", server.url, "--max-body-bytes", str(BODY_LIMIT), "--max-model-len", "512",
+                      log=tmp_path_factory.mktemp("fuzz-router") / "router.log",
+                      env={INTERNAL_TOKEN_ENV: INTERNAL_TOKEN}).wait_ready()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+async def fire(url: str, all_cases: list[tuple[str, bytes]], headers: dict[str, str] | None = None
+               ) -> tuple[collections.Counter, list[str], float]:
     codes, problems, slowest = collections.Counter(), [], 0.0
     gate = asyncio.Semaphore(CONCURRENCY)
 
@@ -236,7 +251,8 @@ async def fire(url: str, all_cases: list[tuple[str, bytes]]) -> tuple[collection
             t0 = time.monotonic()
             try:
                 content = chunks(raw) if i % 400 == 200 else raw
-                r = await client.post(path, content=content, headers={"content-type": "application/json"})
+                r = await client.post(path, content=content, headers={"content-type": "application/json",
+                                                                      **(headers or {})})
                 text = r.text
             except httpx.HTTPError as e:
                 codes["transport error"] += 1
@@ -255,23 +271,34 @@ async def fire(url: str, all_cases: list[tuple[str, bytes]]) -> tuple[collection
     return codes, problems, slowest
 
 
-def test_fuzz_never_5xx_and_leaves_engine_healthy(server):
+def fuzz_and_check(url: str, server: Server, headers: dict[str, str] | None, logs: list) -> None:
+    """2,000 generated requests at `url`; then nothing went wrong, a normal request answers, the engine is well."""
     t0 = time.monotonic()
-    codes, problems, slowest = asyncio.run(fire(server.url, list(cases(random.Random(SEED)))))
+    codes, problems, slowest = asyncio.run(fire(url, list(cases(random.Random(SEED))), headers))
     summary = (f"{sum(codes.values())} requests in {time.monotonic() - t0:.0f} s (slowest {slowest:.1f} s), "
                f"status counts {dict(codes)}")
     print("\nfuzz:", summary)
     assert sum(codes.values()) == N_REQUESTS
     assert not problems, f"{summary}; {len(problems)} problems:\n" + "\n".join(problems[:30])
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, headers=headers, json={
         "model": MODEL, "max_tokens": 30, "temperature": 0,
         "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], r.text
-    assert httpx.get(server.url + "/ready").status_code == 200
-    assert httpx.get(server.url + "/health").status_code == 200
+    for base in {url, server.url}:
+        assert httpx.get(base + "/ready").status_code == 200
+        assert httpx.get(base + "/health").status_code == 200
     deadline = time.monotonic() + 30
     while (usage := server.metrics()["vllm:kv_cache_usage_perc{}"]) != 0:
         assert time.monotonic() < deadline, f"KV cache usage stays at {usage} after the fuzz"
         time.sleep(0.2)
-    log = server.log.read_text()
-    assert "Traceback" not in log, log[log.index("Traceback") - 300:][:3000]
+    for log in logs:
+        text = log.read_text()
+        assert "Traceback" not in text, text[text.index("Traceback") - 300:][:3000]
+
+
+def test_fuzz_never_5xx_and_leaves_engine_healthy(server):
+    fuzz_and_check(server.url, server, {"authorization": f"Bearer {INTERNAL_TOKEN}"}, [server.log])
+
+
+def test_fuzz_through_the_router(router, server):
+    fuzz_and_check(router.url, server, None, [server.log, router.log])

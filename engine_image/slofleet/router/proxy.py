@@ -208,7 +208,10 @@ class Router:
             except asyncio.TimeoutError:
                 raise GatewayError(408, f"the request body did not arrive within {self.cfg.body_timeout:g} s",
                                    "invalid_request_error") from None
-            data = json.loads(raw)
+            try:
+                data = json.loads(raw)
+            except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too deep, a number past the digit limit
+                raise GatewayError(400, f"the request body is not valid JSON: {e}", "invalid_request_error") from None
             body = RoutedBody.model_validate(data)
             text, n_ids = body.text_and_ids()
             tokens = n_ids if n_ids is not None else self.classifier.estimate_tokens(len(text))
@@ -225,7 +228,7 @@ class Router:
             ticket = self.classifier.admit(bucket, tokens, self.inflight, capacity)
             t_classify = time.time_ns()
         except GatewayError as e:
-            reason = {401: "auth", 408: "slow_client", 413: "size"}.get(e.status, "quota")
+            reason = {400: "invalid", 401: "auth", 408: "slow_client", 413: "size"}.get(e.status, "quota")
             return await self.reject(send, bucket, reason, e.status, e.message, e.kind, e.retry_after)
         except Admission as e:
             return await self.reject(send, bucket, "shed", 429, str(e), "rate_limit_exceeded", e.retry_after)
