@@ -175,7 +175,7 @@ def use_backend(engine, kind: str, graph_batch: int = 0) -> None:
         input_ids, positions, meta, rows = r.prepare(batch)
         if graphs is not None and graphs.can_run(meta):
             return graphs.run(input_ids, positions, meta)
-        return r.model(input_ids, positions, r.kv_caches, meta, torch.tensor(rows, dtype=torch.long, device=r.device))
+        return r.model(input_ids, positions, r.kv_caches, meta, rows)
     r.execute = execute
 
 

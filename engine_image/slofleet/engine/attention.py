@@ -106,7 +106,9 @@ class TorchAttention:
             idx = torch.as_tensor(c, device=k_cache.device)
             blocks = meta.block_tables[idx, :width].reshape(-1).long()
             pos = torch.arange(width * bs, device=k_cache.device)
-            mask = (pos[None, :] < meta.seq_lens[idx].long()[:, None])[:, None, None, :]
+            past = pos[None, :] >= meta.seq_lens[idx].long()[:, None]
+            # additive, in the cache's dtype: SDPA would otherwise convert a boolean mask in every layer
+            mask = k_cache.new_zeros(past.shape).masked_fill_(past, float("-inf"))[:, None, None, :]
             rows = None if len(c) == batch else meta.query_start_loc[idx].long()
             out.append((rows, blocks, mask, len(c)))
         return out

@@ -78,39 +78,42 @@ class ModelRunner:
             vc[idx] = v[layer].to(device=self.device, dtype=vc.dtype)
 
     def prepare(self, batch: list[tuple[Request, int, list[int]]]
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten (request, tokens this step, block table) into model inputs and attention metadata."""
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten (request, tokens this step, block table) into model inputs, attention metadata and the rows to
+        sample. Everything travels in two tensors (int64: ids, positions, slots, rows; int32: query starts, lengths,
+        block tables) that the fields are views of: two small host tensors and two copies to the device per step."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        qlens: list[int] = []
-        slens: list[int] = []
-        sample_rows: list[int] = []
+        qsl, slens, qlens = [0], [], []
         for req, n, table in batch:
             start = req.num_computed_tokens
-            toks = req.token_ids()[start:start + n] if n > 1 else [req.token_at(start)]
-            ids += toks
-            pos = range(start, start + n)
-            positions += pos
-            slots += [table[p // bs] * bs + p % bs for p in pos]
+            if n == 1:
+                ids.append(req.token_at(start))
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids += req.token_ids()[start:start + n]
+                pos = range(start, start + n)
+                positions += pos
+                slots += [table[p // bs] * bs + p % bs for p in pos]
+            qsl.append(qsl[-1] + n)
             qlens.append(n)
             slens.append(start + n)
-            sample_rows.append(len(ids) - 1)
-        max_blocks = max(len(t) for _, _, t in batch)
-        tables = [t + [0] * (max_blocks - len(t)) for _, _, t in batch]
-        dev = self.device
-        qsl = [0]
-        for q in qlens:
-            qsl.append(qsl[-1] + q)
+        width = max(len(t) for _, _, t in batch)
+        tables: list[int] = []
+        for _, _, t in batch:
+            tables += t
+            tables += [0] * (width - len(t))
+        nt, b = len(ids), len(batch)
+        longs = torch.tensor(ids + positions + slots + [q - 1 for q in qsl[1:]], dtype=torch.long, device=self.device)
+        ints = torch.tensor(qsl + slens + tables, dtype=torch.int32, device=self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=longs[2 * nt:3 * nt], query_start_loc=ints[:b + 1], seq_lens=ints[b + 1:2 * b + 1],
+            block_tables=ints[2 * b + 1:].view(b, width),
             max_query_len=max(qlens), max_seq_len=max(slens), query_lens_host=qlens, seq_lens_host=slens)
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
-                meta, sample_rows)
+        return longs[:nt], longs[nt:2 * nt], meta, longs[3 * nt:]
 
     @torch.inference_mode()
     def execute(self, batch: list[tuple[Request, int, list[int]]]) -> torch.Tensor:
@@ -118,5 +121,4 @@ class ModelRunner:
         input_ids, positions, meta, rows = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(meta):
             return self.graphs.run(input_ids, positions, meta)  # valid until the next replay; sampled at once
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.model(input_ids, positions, self.kv_caches, meta, idx)
+        return self.model(input_ids, positions, self.kv_caches, meta, rows)
