@@ -110,3 +110,26 @@ def test_the_patch_carries_the_worst_attainment_and_clears_it_without_requests()
     assert patch["attainment"] == 0.5 and [b["name"] for b in patch["buckets"]] == ["chat", "doc"]
     assert status_patch([BucketStatus(name="chat")])["status"]["attainment"] is None  # null: removed
     assert same([e1], [e1.model_copy(update={"time": "T2"})]) and not same([e1], [e2]) and not same(None, [e1])
+
+
+@pytest.mark.parametrize("queue,prefill,want", [(0.9, 0.05, "queue"), (0.05, 0.9, "prefill")])
+def test_a_missed_bucket_names_its_dominant_phase(queue, prefill, want):
+    """The phases' means come from the engines' queue/prefill/decode histograms, judged as `slofleet diagnose`."""
+    reg = CollectorRegistry()
+    phase = {n: Histogram(n, n, ["model_name", "bucket"], buckets=BOUNDS, registry=reg)
+             for n in (TTFT, E2E, "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                       "vllm:request_decode_time_seconds")}
+    obs = Observed(WINDOW)
+    obs.add(parse(generate_latest(reg).decode(), "unified", 0.0))
+    for _ in range(6):
+        for name, v in ((TTFT, queue + prefill), (E2E, queue + prefill + 0.1),
+                        ("vllm:request_queue_time_seconds", queue), ("vllm:request_prefill_time_seconds", prefill),
+                        ("vllm:request_decode_time_seconds", 0.1)):
+            phase[name].labels("m", "chat").observe(v)
+    obs.add(parse(generate_latest(reg).decode(), "unified", 10.0))
+    hists = obs.delta(10.0)
+    chat = bucket("chat", ttftMs=200)
+    got = bucket_status(chat, hists, WINDOW, "T", obs.phase_means().get("chat"))
+    assert got.met is False and got.dominant == want
+    easy = bucket_status(bucket("chat", ttftMs=5000), hists, WINDOW, "T", obs.phase_means().get("chat"))
+    assert easy.met is True and easy.dominant is None  # only a missed bucket names one

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from slofleet.api.v1alpha1 import Bucket, BucketStatus
 
+from .diagnose import shares
 from .signals import HISTOGRAMS, Histogram, RoleSignals
 
 STATUS_WINDOW_S = 300.0  # what each attainment covers, by default (`slofleet autoscaler --status-window`)
@@ -51,23 +52,47 @@ class Observed:
                         out[kind][bucket] = out[kind][bucket].plus(d)
         return out
 
+    def phase_means(self) -> dict[str, dict[str, float]]:
+        """bucket -> phase -> mean seconds over the window (call after `delta`, which drops what left it)."""
+        sums: dict[tuple[str, str, str], float] = {}
+        for seen in self.pods.values():
+            old, new = seen[0], seen[-1]
+            for key, v in new.phases.items():
+                d = v - old.phases.get(key, 0.0)
+                sums[key] = sums.get(key, 0.0) + (v if d < 0 else d)  # a restart counts from zero
+        out: dict[str, dict[str, float]] = {}
+        for (phase, bucket, part), count in sums.items():
+            if part == "count" and count > 0:
+                out.setdefault(bucket, {})[phase] = sums.get((phase, bucket, "sum"), 0.0) / count
+        return out
 
-def bucket_status(b: Bucket, hists: Hists, window_s: float, when: str) -> BucketStatus:
+
+def dominant(clock: str, means: dict[str, float]) -> str:
+    """The phase holding most of the slow clock's mean, by `slofleet diagnose`'s rule (engine-side phases)."""
+    share = shares(clock, {k: means.get(k, 0.0) for k in ("queue", "prefill", "decode", "ttft", "e2e")}, None, None)
+    return max(share, key=share.get)
+
+
+def bucket_status(b: Bucket, hists: Hists, window_s: float, when: str,
+                  means: dict[str, float] | None = None) -> BucketStatus:
     """One bucket's entry: requests finished in the window, and for each target it sets the share within it and
     the latency at the bucket's own percentile. Met when the least-met target's share reaches the percentile."""
     got = {kind: hists.get(kind, {}).get(b.name) for kind in KINDS}
     requests = next((h.total for h in (got["e2e"], got["ttft"]) if h is not None and h.total), 0.0)
     q = b.slo.percentile / 100
     figures: dict = {}
-    shares = []
+    within: dict[str, float] = {}  # clock -> share of requests within its target
     for name, (kind, target) in TARGETS.items():
         h, ms = got[kind], getattr(b.slo, target)
         if ms is None or h is None or h.total <= 0 or not requests:  # e.g. no ITL when every output is 1 token
             continue
-        shares.append(h.fraction_le(ms / 1000))
+        within[name.removesuffix("_ms")] = h.fraction_le(ms / 1000)
         figures[name] = round(h.quantile(q) * 1000, 1)
-    if shares:
-        figures |= {"attainment": round(min(shares), 4), "met": min(shares) >= q}
+    if within:
+        worst = min(within, key=within.get)
+        figures |= {"attainment": round(within[worst], 4), "met": within[worst] >= q}
+        if within[worst] < q and means:
+            figures["dominant"] = dominant(worst, means)
     return BucketStatus(name=b.name, window_seconds=round(window_s), requests=round(requests),
                         percentile=b.slo.percentile, time=when, **figures)
 

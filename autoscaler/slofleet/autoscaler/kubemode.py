@@ -150,7 +150,8 @@ class Autoscaler:
         """status.buckets, when its figures moved (or every resync, so its time says it is current)."""
         t, window = time.time(), st.observed.window_s
         hists = st.observed.delta(t)
-        entries = [attainment.bucket_status(b, hists, window, now()) for b in buckets]
+        means = st.observed.phase_means()
+        entries = [attainment.bucket_status(b, hists, window, now(), means.get(b.name)) for b in buckets]
         if attainment.same(st.buckets, entries) and t - st.buckets_at < self.resync_s:
             return
         self.kube.patch_status(svc.metadata["namespace"], svc.metadata["name"], attainment.status_patch(entries))

@@ -31,6 +31,9 @@ GAUGES = {NUM_WAITING: "waiting", NUM_RUNNING: "running", KV_USAGE: "kv_usage",
 COUNTERS = {f"{PREEMPTIONS}_total": "preemptions", f"{PROMPT_TOKENS}_total": "prompt_tokens",
             f"{GENERATION_TOKENS}_total": "generation_tokens", f"{REQUEST_SUCCESS}_total": "finished"}
 HISTOGRAMS = {TTFT: "ttft", ITL: "itl", E2E: "e2e"}
+# Histograms whose sum and count per bucket give each phase's mean (for the dominant phase in status.buckets).
+PHASES = {"vllm:request_queue_time_seconds": "queue", "vllm:request_prefill_time_seconds": "prefill",
+          "vllm:request_decode_time_seconds": "decode", TTFT: "ttft", E2E: "e2e"}
 BY_BUCKET = ("prompt_tokens", "generation_tokens")  # counters also kept per bucket label (each bucket's mix)
 
 
@@ -99,6 +102,7 @@ class RoleSignals:
     itl: dict[str, Histogram] = field(default_factory=dict)
     e2e: dict[str, Histogram] = field(default_factory=dict)
     by_bucket: dict[str, dict[str, float]] = field(default_factory=dict)  # counter -> bucket -> value
+    phases: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (phase, bucket, "sum"|"count") -> value
     pod: str = ""  # which pod answered (one pod's signals; empty once merged)
 
 
@@ -118,7 +122,11 @@ def from_samples(samples: Iterable[Sample], role: str, t: float, pod: str = "") 
             if attr in BY_BUCKET and "bucket" in s.labels:
                 counts = sig.by_bucket.setdefault(attr, {})
                 counts[s.labels["bucket"]] = counts.get(s.labels["bucket"], 0.0) + s.value
-        elif s.name.endswith("_bucket") and s.name[:-7] in HISTOGRAMS:
+        base, _, part = s.name.rpartition("_")
+        if part in ("sum", "count") and base in PHASES:
+            key3 = (PHASES[base], s.labels.get("bucket", "default"), part)
+            sig.phases[key3] = sig.phases.get(key3, 0.0) + s.value
+        if s.name.endswith("_bucket") and s.name[:-7] in HISTOGRAMS:
             key = (HISTOGRAMS[s.name[:-7]], s.labels.get("bucket", "default"))
             le = float(s.labels["le"])
             buckets.setdefault(key, {})[le] = buckets.get(key, {}).get(le, 0.0) + s.value

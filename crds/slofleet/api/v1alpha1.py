@@ -305,6 +305,8 @@ class BucketStatus(_Model):
     e2e_ms: float | None = Field(None, description="whole-request latency at the percentile")
     met: bool | None = Field(None, description="attainment reaches the percentile, i.e. every target holds at it; "
                              "absent without requests")
+    dominant: Literal["queue", "prefill", "decode", "outside_model", "kv"] | None = Field(
+        None, description="when not met: the phase holding most of the least-met clock (slofleet diagnose's rule)")
     time: str | None = Field(None, description="when these figures were read (RFC 3339)")
 
 
