@@ -79,16 +79,26 @@ def test_bounds_are_respected_and_reported():
 
 
 def test_prefill_and_decode_decide_independently():
-    # each role reads its own pool's window; prompts pile up on prefill while decode is comfortable
+    # each role reads its own pool's window; prompts pile up on prefill while decode is comfortable (no
+    # stabilization window, so that a fresh policy's recommendation is its decision)
     pre_hot = win(0, 8.0, waiting=40, ttft=0.5, itl=0.5, kv=0.97)
     dec_cool = win(0, 8.0, waiting=0, ttft=0.5, itl=1.0, kv=0.1)
-    assert Policy(cfg(role="prefill")).decide(0, pre_hot, Fleet(2)).desired > 2
-    assert Policy(cfg(role="decode")).decide(0, dec_cool, Fleet(2)).desired == 1  # 800 tokens/s: one replica
+    assert Policy(cfg(role="prefill", down_window_s=0)).decide(0, pre_hot, Fleet(2)).desired > 2
+    # 800 tokens/s: one replica
+    assert Policy(cfg(role="decode", down_window_s=0)).decide(0, dec_cool, Fleet(2)).desired == 1
     # the other way round: decode saturates, prefill does not move; and neither reads the other's signals
     dec_hot = win(15, 2.0, kv=0.97, itl=0.6, preempt=0.5, ttft=0.1, waiting=0)
     pre_cool = win(15, 2.0, kv=0.3, itl=0.1, ttft=1.0, preempt=0.5)
-    assert Policy(cfg(role="decode")).decide(15, dec_hot, Fleet(2)).desired > 2
-    assert Policy(cfg(role="prefill")).decide(15, pre_cool, Fleet(2)).desired == 1
+    assert Policy(cfg(role="decode", down_window_s=0)).decide(15, dec_hot, Fleet(2)).desired > 2
+    assert Policy(cfg(role="prefill", down_window_s=0)).decide(15, pre_cool, Fleet(2)).desired == 1
+
+
+def test_a_fresh_policy_holds_what_runs_for_one_stabilization_window():
+    # it has not seen the window's recommendations; what runs (or is on record) stands for them
+    p = Policy(cfg())
+    assert p.decide(0, win(0, 4.0, pods=6), Fleet(6)).desired == 6
+    assert steady(p, 15, 300, 4.0, Fleet(6)).desired == 6
+    assert p.decide(315, win(315, 4.0, pods=6), Fleet(6)).desired == 5
 
 
 def test_replicas_still_starting_are_the_cold_start_allowance():

@@ -105,6 +105,8 @@ class Policy:
             age = "no scrape" if win is None else f"newest scrape {now - win.now.t:.0f}s old"
             self.last = Decision(keep, f"holding {keep}: metrics missing or stale ({age})", "MetricsStale")
             return self.last
+        if not self.recs and cfg.down_window_s:  # just started: what runs (or is on record) was recommended before
+            self.recs.append((now, self.last.desired if self.last else fleet.total))
         self.learn(now, win, fleet)
         proactive, why_pro = self.proactive(now, win)
         reactive, why_re = self.reactive(win, fleet)
