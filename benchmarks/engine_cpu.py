@@ -1,16 +1,26 @@
-"""Engine CPU benchmark: one fixed workload through transformers and slofleet, printed side by side.
+"""Engine CPU benchmark: one fixed workload through transformers and slofleet, against this machine's FLOP limit.
 
-Workload: 16 chat prompts of 20-300 words through the chat template, 32 output tokens each, greedy,
-fixed length (EOS ignored). Each system runs it --runs times, in rounds of one run per system; the table
-shows the median tokens/s and the ratio to transformers generate_batch(). llama.cpp (llama-cpp-python,
-sequential, on the same GGUF) is included when installed.
+Workload: 16 chat prompts of 20-300 words through the chat template, 32 output tokens each, greedy, fixed length
+(EOS ignored). Every run, warm-up included, gets prompts of the same lengths that no earlier run has seen (only the
+chat template's system prompt repeats, which the prefix cache may keep). Each system runs it --runs times, in
+rounds of one run per system so the machine's drift moves every figure alike; each round also measures torch's
+GEMM rates at the workload's shapes, from which the limit follows:
 
-    .venv/bin/python benchmarks/engine_cpu.py [--runs 3] [--skip generate]
+    limit_s = prompt tokens x 2 x 106.2M FLOP / (faster of fp32/bf16 GEMM at 2048x576x1536 and 512x576x1536)
+            + 16 x 31 x 2 x 134.5M FLOP / (faster of fp32/bf16 GEMM at 16x576x1536)
+
+(106.2M: the weights every prompt token multiplies; 134.5M: those plus the LM head, which only sampled positions
+reach). The table shows the median tokens/s, the ratio to transformers generate_batch() and the median fraction
+of the limit reached (limit_s of that run's prompts over its time). llama.cpp (llama-cpp-python, sequential, on
+the same GGUF) is included when installed.
+
+    .venv/bin/python benchmarks/engine_cpu.py [--runs 3] [--skip generate generate_batch]
 """
 from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import itertools
 import platform
 import random
 import statistics
@@ -22,14 +32,16 @@ import torch
 WORDS = ("river mountain signal engine quiet garden window market theory planet music letter forest "
          "winter machine story bridge lantern harbor circuit memory ocean desert village candle rhythm").split()
 N_PROMPTS, OUT_TOKENS = 16, 32
+PREFILL_FLOP, DECODE_FLOP = 2 * 106.2e6, 2 * 134.5e6  # per prompt token, per sampled token
+GEMM_SHAPES = {"prefill 2048": 2048, "prefill 512": 512, "decode 16": 16}  # rows of x (576) @ W (576 x 1536)
 
 
-def prompts() -> list[str]:
-    rng = random.Random(0)
+def prompts(seed: int) -> list[str]:
+    rng = random.Random(seed)
     lengths = [round(20 + i * (300 - 20) / (N_PROMPTS - 1)) for i in range(N_PROMPTS)]
     rng.shuffle(lengths)
-    return ["Summarise the following notes in one sentence: " + " ".join(rng.choice(WORDS) for _ in range(n))
-            for n in lengths]
+    return [f"Summarise the following notes (set {seed}) in one sentence: " + " ".join(rng.choice(WORDS) for _ in
+                                                                                        range(n)) for n in lengths]
 
 
 def log(msg: str) -> None:
@@ -41,13 +53,21 @@ def chat_ids(tokenizer, texts: list[str]) -> list[list[int]]:
                                           tokenize=True, return_dict=False) for t in texts]
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    n = fn()
-    return n / (time.perf_counter() - t0)
+def gemm_rates() -> dict[str, dict[str, float]]:
+    """GFLOP/s of torch's GEMM per shape and dtype, at the thread count every system runs with."""
+    from slofleet.engine.dtype_probe import gemm_gflops
+    return {shape: {name: gemm_gflops(rows, 576, 1536, dtype, seconds=0.2)
+                    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+            for shape, rows in GEMM_SHAPES.items()}
 
 
-def run_hf_generate(model, ids) -> int:
+def limit_seconds(rates: dict[str, dict[str, float]], prompt_tokens: int) -> float:
+    prefill = max(max(rates["prefill 2048"].values()), max(rates["prefill 512"].values()))
+    decode = max(rates["decode 16"].values())
+    return (prompt_tokens * PREFILL_FLOP / prefill + N_PROMPTS * (OUT_TOKENS - 1) * DECODE_FLOP / decode) / 1e9
+
+
+def run_hf_generate(model, ids, _texts) -> int:
     from transformers import GenerationConfig
     cfg = GenerationConfig(max_new_tokens=OUT_TOKENS, min_new_tokens=OUT_TOKENS, do_sample=False, pad_token_id=2)
     n = 0
@@ -58,24 +78,20 @@ def run_hf_generate(model, ids) -> int:
     return n
 
 
-def run_hf_generate_batch(model, ids) -> int:
+def run_hf_generate_batch(model, ids, _texts) -> int:
     from transformers import GenerationConfig
     cfg = GenerationConfig(max_new_tokens=OUT_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=2)
     outs = model.generate_batch(inputs=ids, generation_config=cfg, progress_bar=False)
     return sum(len(o.generated_tokens) for o in outs.values())
 
 
-def run_slofleet(engine, ids) -> int:
+def run_slofleet(llm, ids, _texts) -> int:
     from slofleet.engine import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
-    engine.kv.pool.reset_cache()  # each run prefills from scratch, like the others
-    reqs = [engine.add_request(x, params) for x in ids]
-    while engine.has_unfinished():
-        engine.step()
-    return sum(len(r.output_token_ids) for r in reqs)
+    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True))
+    return sum(len(o.token_ids) for o in outs)
 
 
-def run_llama_cpp(llm, texts) -> int:
+def run_llama_cpp(llm, _ids, texts) -> int:
     n = 0
     for t in texts:
         out = llm.create_chat_completion([{"role": "user", "content": t}], max_tokens=OUT_TOKENS, temperature=0)
@@ -84,9 +100,8 @@ def run_llama_cpp(llm, texts) -> int:
 
 
 def versions() -> str:
-    pkgs = ["torch", "transformers", "llama_cpp_python"]
     found = []
-    for p in pkgs:
+    for p in ("torch", "transformers", "llama_cpp_python"):
         try:
             found.append(f"{p} {md.version(p)}")
         except md.PackageNotFoundError:
@@ -97,57 +112,81 @@ def versions() -> str:
             f"threads {torch.get_num_threads()}")
 
 
+def systems(args) -> list[tuple[str, object]]:
+    from transformers import AutoModelForCausalLM
+
+    from slofleet.engine import LLM, loader
+    out = []
+    if {"generate", "generate_batch"} - set(args.skip):
+        hf = AutoModelForCausalLM.from_pretrained(loader.resolve("default"), dtype=torch.float32).eval()
+        if "generate" not in args.skip:
+            out.append(("transformers generate() one by one, fp32", lambda ids, t: run_hf_generate(hf, ids, t)))
+        if "generate_batch" not in args.skip:
+            out.append(("transformers generate_batch(), fp32", lambda ids, t: run_hf_generate_batch(hf, ids, t)))
+    for dtype, key in (("float32", "fp32"), ("bfloat16", "bf16")):
+        if key not in args.skip:
+            llm = LLM(dtype=dtype)
+            out.append((f"slofleet LLM(dtype={dtype})", lambda ids, t, e=llm: run_slofleet(e, ids, t)))
+    if "defaults" not in args.skip:
+        llm = LLM()
+        name = f"slofleet LLM() defaults ({str(llm.engine.runner.dtype).removeprefix('torch.')})"
+        out.append((name, lambda ids, t, e=llm: run_slofleet(e, ids, t)))
+    if "llama.cpp" not in args.skip:
+        try:
+            from llama_cpp import Llama
+            gguf = Llama(str(loader.embedded_gguf()), n_ctx=2048, n_threads=torch.get_num_threads(), verbose=False)
+            out.append(("llama.cpp sequential, GGUF Q4_1", lambda ids, t: run_llama_cpp(gguf, ids, t)))
+        except ImportError:
+            log("llama-cpp-python not installed: llama.cpp row skipped")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip", nargs="*", default=[],
-                    help="systems to skip: generate, generate_batch, fp32, bf16, llama.cpp")
+                    help="systems to skip: generate, generate_batch, fp32, bf16, defaults, llama.cpp")
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM
+    from slofleet.engine import loader
 
-    from slofleet.engine import LLMEngine, loader
+    tok = loader.load_tokenizer(loader.resolve("default"))
+    seeds = itertools.count()
 
-    path = loader.resolve("default")
-    tok = loader.load_tokenizer(path)
-    texts = prompts()
-    ids = chat_ids(tok, texts)
-    log(f"workload: {len(ids)} prompts, {sum(map(len, ids))} prompt tokens "
+    def workload() -> tuple[list[list[int]], list[str]]:
+        texts = prompts(next(seeds))
+        return chat_ids(tok, texts), texts
+
+    ids, _ = workload()
+    log(f"workload: {len(ids)} prompts, ~{sum(map(len, ids))} prompt tokens "
         f"({min(map(len, ids))}-{max(map(len, ids))}), {OUT_TOKENS} output tokens each")
-    systems = []
-    if {"generate", "generate_batch"} - set(args.skip):
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        if "generate" not in args.skip:
-            systems.append(("transformers generate() one by one, fp32", lambda: run_hf_generate(hf, ids)))
-        if "generate_batch" not in args.skip:
-            systems.append(("transformers generate_batch(), fp32", lambda: run_hf_generate_batch(hf, ids)))
-    for dtype, key in (("float32", "fp32"), ("bfloat16", "bf16")):
-        if key not in args.skip:
-            engine = LLMEngine(dtype=dtype, max_num_batched_tokens=2048)
-            systems.append((f"slofleet, {key}", lambda e=engine: run_slofleet(e, ids)))
-    if "llama.cpp" not in args.skip:
-        try:
-            from llama_cpp import Llama
-            llm = Llama(str(loader.embedded_gguf()), n_ctx=2048, n_threads=torch.get_num_threads(), verbose=False)
-            systems.append(("llama.cpp sequential, GGUF Q4_1", lambda: run_llama_cpp(llm, texts)))
-        except ImportError:
-            log("llama-cpp-python not installed: llama.cpp row skipped")
-
-    for _, fn in systems:
-        fn()  # warm-up, not timed
-    # Rounds of one run per system rather than all runs of one system in a row: this machine's speed drifts over
-    # minutes, and a drift should move every system's figure alike instead of favouring the one that ran last.
-    rates: dict[str, list[float]] = {name: [] for name, _ in systems}
+    table = systems(args)
+    for _, fn in table:
+        fn(*workload())  # warm-up, not timed, on prompts of its own
+    rates: dict[str, list[float]] = {name: [] for name, _ in table}
+    fractions: dict[str, list[float]] = {name: [] for name, _ in table}
+    gemm: list[dict[str, dict[str, float]]] = []
     for i in range(args.runs):
-        for name, fn in systems:
-            rates[name].append(timed(fn))
-            log(f"{name}: run {i + 1}/{args.runs}: {rates[name][-1]:.1f} tok/s")
-    results = {name: statistics.median(r) for name, r in rates.items()}
+        gemm.append(gemm_rates())
+        for name, fn in table:
+            ids, texts = workload()
+            t0 = time.perf_counter()
+            n = fn(ids, texts)
+            dt = time.perf_counter() - t0
+            rates[name].append(n / dt)
+            fractions[name].append(limit_seconds(gemm[-1], sum(map(len, ids))) / dt)
+            log(f"{name}: run {i + 1}/{args.runs}: {rates[name][-1]:.1f} tok/s, {fractions[name][-1]:.0%} of limit")
     print(versions())
-    base = results.get("transformers generate_batch(), fp32")
-    print(f"{'system':45s} {'tok/s (median)':>15s} {'x generate_batch':>17s}")
-    for name, rate in results.items():
+    print("GEMM GFLOP/s (median of rounds):", "; ".join(
+        f"{shape} fp32 {statistics.median(g[shape]['fp32'] for g in gemm):.0f}, "
+        f"bf16 {statistics.median(g[shape]['bf16'] for g in gemm):.0f}" for shape in GEMM_SHAPES))
+    limit = statistics.median(N_PROMPTS * OUT_TOKENS / limit_seconds(g, sum(map(len, ids))) for g in gemm)
+    print(f"FLOP limit of the workload: {limit:.1f} tok/s (at the last prompts' {sum(map(len, ids))} prompt tokens)")
+    base = statistics.median(rates.get("transformers generate_batch(), fp32", [0])) or None
+    print(f"{'system':45s} {'tok/s (median)':>15s} {'x generate_batch':>17s} {'of limit':>9s}")
+    for name, r in rates.items():
+        rate = statistics.median(r)
         ratio = f"{rate / base:.2f}x" if base else "-"
-        print(f"{name:45s} {rate:15.1f} {ratio:>17s}")
+        print(f"{name:45s} {rate:15.1f} {ratio:>17s} {statistics.median(fractions[name]):9.0%}")
     return 0
 
 
