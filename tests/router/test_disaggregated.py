@@ -23,6 +23,7 @@ COMPUTED = "slofleet:prompt_tokens_computed_total{}"
 LONG = [{"role": "user", "content": DOC * 6 + "Which colours is the lighthouse painted?"}]  # ~300 tokens
 OTHER = [{"role": "user", "content": "A second port. " + DOC * 6 + "How many piers are there?"}]
 SHORT = [{"role": "user", "content": "Say hi"}]
+AUTH = {"authorization": f"Bearer {INTERNAL_TOKEN}"}  # the engines of a service answer its token holders only
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_long_prompts_are_prefilled_on_the_prefill_replica_short_ones_are_not(pa
         assert r.metrics()["slofleet:router_pd_routes_total{bucket=default,route=direct}"] == 1
 
         # The reference: the same prompt computed whole on one engine (no hand-off header), token for token.
-        unified = httpx.post(dec.url + "/v1/chat/completions", timeout=300, json={
+        unified = httpx.post(dec.url + "/v1/chat/completions", timeout=300, headers=AUTH, json={
             "model": MODEL, "messages": LONG, "max_tokens": 12, "temperature": 0}).json()
         assert via_router == unified["choices"][0]["message"]["content"] and via_router
     finally:

@@ -91,8 +91,8 @@ def test_one_disaggregated_request_is_one_trace_across_router_prefill_and_decode
     assert not any("content" in str(s["attributes"]) for s in spans), "no prompt text in spans"
 
     pre, dec_engine, r, otlp = fleet
-    got = otlp.wait_for(TRACE_ID, {"slofleet-router", "slofleet-engine"})
-    assert {"upstream", "kv_handoff", "POST /v1/kv/prefill", "prefill_chunk"} <= {name for _, name, _ in got}
+    names = frozenset({"upstream", "kv_handoff", "POST /v1/kv/prefill", "prefill_chunk"})
+    assert names <= {name for _, name, _ in otlp.wait_for(TRACE_ID, {"slofleet-router", "slofleet-engine"}, names)}
     m = r.metrics()
     assert m["slofleet:router_phase_seconds_count{bucket=default,phase=handoff}"] == 1  # from the Server-Timing
     # an engine's own debug endpoint keeps its part, under the internal token

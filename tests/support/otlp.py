@@ -43,14 +43,16 @@ class OTLPStandIn:
                 out += [(service, s.name, s.trace_id.hex()) for ss in rs.scope_spans for s in ss.spans]
         return out
 
-    def wait_for(self, trace_id: str, services: set[str], timeout: float = 20) -> list[tuple[str, str, str]]:
-        """The spans of `trace_id` once every one of `services` has sent some."""
+    def wait_for(self, trace_id: str, services: set[str], names: frozenset[str] = frozenset(),
+                 timeout: float = 20) -> list[tuple[str, str, str]]:
+        """The spans of `trace_id` once every one of `services` has sent some and every one of `names` has come
+        (each process exports in batches, so one batch may arrive before the others)."""
         deadline = time.monotonic() + timeout
         while True:
             got = [s for s in self.spans() if s[2] == trace_id]
-            if services <= {s[0] for s in got}:
+            if services <= {s[0] for s in got} and names <= {s[1] for s in got}:
                 return got
-            assert time.monotonic() < deadline, f"no OTLP spans of {trace_id} from {services}: {self.spans()}"
+            assert time.monotonic() < deadline, f"no OTLP spans {set(names)} of {trace_id} from {services}: {got}"
             time.sleep(0.1)
 
     def stop(self) -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import hmac
 import ipaddress
+import json
 import urllib.parse
 
 import httpx
@@ -53,12 +54,12 @@ def peer_base(url: str, allow_loopback: bool) -> str:
     return f"http://{host}:{port}"
 
 
-def peer_message(r: httpx.Response) -> str:
+def peer_message(status: int, body: bytes) -> str:
     """What a peer engine said, from its OpenAI-shaped error only: never echo a body we did not expect."""
     try:
-        return str(r.json()["error"]["message"])[:300]
+        return str(json.loads(body)["error"]["message"])[:300]
     except (ValueError, KeyError, TypeError):
-        return f"HTTP {r.status_code}"
+        return f"HTTP {status}"
 
 
 async def fetch_kv(base: str, ids: list[int], params: SamplingParams, token: str, limit: int,
@@ -79,9 +80,9 @@ async def fetch_kv(base: str, ids: list[int], params: SamplingParams, token: str
         raise UpstreamError(f"prefill engine {base} unreachable: {type(e).__name__}") from None
     if r.status_code != 200:
         if r.status_code < 500:  # the prefill engine refused the request itself (e.g. 429): pass it on
-            raise ApiError(r.status_code, f"prefill engine: {peer_message(r)}", "upstream_error",
+            raise ApiError(r.status_code, f"prefill engine: {peer_message(r.status_code, data)}", "upstream_error",
                            headers={k: v for k, v in r.headers.items() if k.lower() == "retry-after"} or None)
-        raise UpstreamError(f"prefill engine {base}: {peer_message(r)}")
+        raise UpstreamError(f"prefill engine {base}: {peer_message(r.status_code, data)}")
     if not hmac.compare_digest(r.headers.get(KV_MAC_HEADER, ""), mac(token, bytes(data))):
         raise UpstreamError(f"prefill engine {base}: the reply is not signed by this service's token")
     return KVPayload.from_bytes(bytes(data))
