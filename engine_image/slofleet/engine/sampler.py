@@ -4,9 +4,9 @@ One tensor path for the whole batch, whatever mix of settings it holds: temperat
 per-row tensors, and each row samples by inverse CDF from one uniform number (cumulative weights, then a binary
 search), so a seeded row draws a single number from its own generator and the other rows share one batched draw:
 a request's samples depend on its seed only, never on what it is batched with. Top-k/top-p look at the
-TOP_P_CANDIDATES most likely tokens (a top-k, far cheaper than sorting the vocabulary) and sort whole rows only
-when those hold less than top_p of the mass. Python loops run only over the rows that need something (penalties,
-min_tokens, seeds, logprobs); an all-greedy batch costs one max.
+TOP_P_CANDIDATES most likely tokens (a top-k, far cheaper than sorting the vocabulary), then at 8 times as many,
+and sort whole rows only when those still hold less than top_p of the mass. Python loops run only over the rows
+that need something (penalties, min_tokens, seeds, logprobs); an all-greedy batch costs one max.
 """
 from __future__ import annotations
 
@@ -24,22 +24,32 @@ def _pairs(rows: list[int], ids: list[list[int]]) -> tuple[torch.Tensor, torch.T
     return r, torch.tensor([t for toks in ids for t in toks], dtype=torch.long)
 
 
+def _unique_cells(logits: torch.Tensor, rows: list[int], ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct cells (row * vocab + id) of logits named by rows/ids, and how often each is named."""
+    r, t = _pairs(rows, ids)
+    return torch.unique(r * logits.shape[1] + t, return_counts=True)
+
+
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
-    """Presence/frequency penalties on generated tokens (OpenAI), repetition penalty on prompt+output (HF/vLLM)."""
+    """Presence/frequency penalties on generated tokens (OpenAI), repetition penalty on prompt+output (HF/vLLM).
+    Only the cells of seen tokens are read and written, never whole rows."""
+    flat = logits.view(-1)
     rep = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0]
     if rep:
-        at = _pairs(rep, [list(set(reqs[i].token_ids())) for i in rep])
+        cells, _ = _unique_cells(logits, rep, [reqs[i].token_ids() for i in rep])
         pen = torch.ones(len(reqs))
-        pen[rep] = torch.tensor([reqs[i].params.repetition_penalty for i in rep])
-        vals, pen = logits[at], pen[at[0]]
-        logits[at] = torch.where(vals > 0, vals / pen, vals * pen)
+        pen[rep] = torch.tensor([float(reqs[i].params.repetition_penalty) for i in rep])
+        vals, pen = flat[cells], pen[cells // logits.shape[1]]
+        flat[cells] = torch.where(vals > 0, vals / pen, vals * pen)
     freq = [i for i, r in enumerate(reqs)
             if r.output_token_ids and (r.params.presence_penalty or r.params.frequency_penalty)]
     if freq:
-        at = _pairs(list(range(len(freq))), [reqs[i].output_token_ids for i in freq])
-        counts = torch.zeros(len(freq), logits.shape[1]).index_put_(at, torch.ones(len(at[1])), accumulate=True)
-        fp = torch.tensor([[reqs[i].params.frequency_penalty, reqs[i].params.presence_penalty] for i in freq])
-        logits[freq] -= fp[:, :1] * counts + fp[:, 1:] * (counts > 0)
+        cells, counts = _unique_cells(logits, freq, [reqs[i].output_token_ids for i in freq])
+        fp = torch.zeros(len(reqs), 2)
+        fp[freq] = torch.tensor([[float(reqs[i].params.frequency_penalty), float(reqs[i].params.presence_penalty)]
+                                 for i in freq])
+        fp = fp[cells // logits.shape[1]]
+        flat.index_add_(0, cells, -(fp[:, 0] * counts + fp[:, 1]))
 
 
 def block_stop_tokens(logits: torch.Tensor, reqs: list[Request], eos_ids: set[int]) -> None:
@@ -61,7 +71,8 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     k_on, p_on = top_k > 0, top_p < 1
     vals, ids = logits, None
     if bool(k_on.any() | p_on.any()):
-        for size in (min(vocab, int(torch.where(k_on, top_k, TOP_P_CANDIDATES).max())), vocab):
+        first = int(torch.where(k_on, top_k, TOP_P_CANDIDATES).max())
+        for size in (min(vocab, first), min(vocab, 8 * first), vocab):
             vals, ids = torch.topk(logits, size) if size < vocab else torch.sort(logits, descending=True)
             kth = vals.gather(1, torch.where(k_on, top_k.clamp(max=size), size)[:, None] - 1)
             vals = vals.masked_fill(vals < kth, NEG_INF)  # ties with the k-th stay, as in vLLM
@@ -86,13 +97,13 @@ class Sampler:
         self.generators.pop(request_id, None)
 
     def _uniforms(self, reqs: list[Request]) -> torch.Tensor:
-        u = torch.rand(len(reqs), dtype=torch.float64, generator=self.default_generator)
+        u = torch.rand(len(reqs), generator=self.default_generator)
         for row, req in enumerate(reqs):
             if req.params.seed is not None:
                 gen = self.generators.get(req.request_id)
                 if gen is None:
                     gen = self.generators[req.request_id] = torch.Generator().manual_seed(req.params.seed)
-                u[row] = torch.rand(1, dtype=torch.float64, generator=gen)
+                u[row] = torch.rand(1, generator=gen)
         return u
 
     def _random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -110,8 +121,9 @@ class Sampler:
                 continue
             whole = len(rows) == len(reqs)
             vals, ids = filter_top_k_top_p(logits if whole else logits[rows], top_k[rows], top_p[rows], min_p[rows])
-            cdf = (vals - vals.amax(-1, keepdim=True)).exp_().cumsum(-1, dtype=torch.float64)
-            pick = torch.searchsorted(cdf, (u[rows] * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[1] - 1)
+            cdf = (vals - vals.amax(-1, keepdim=True)).exp_().cumsum(-1)
+            # the first token whose cumulative weight reaches a point in (0, total]: never one of weight zero
+            pick = torch.searchsorted(cdf, ((1 - u[rows]) * cdf[:, -1])[:, None])
             out[rows] = (pick if ids is None else ids.gather(1, pick)).squeeze(1)
         return out
 
@@ -119,7 +131,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict[int, float] | None]]:
         """Next token per row, and the top-N log-probabilities (of the model's raw distribution) where asked.
         The logits are the sampler's to change: penalties and temperature are applied in place."""
-        logits = logits.float().cpu()
+        logits = logits.float().cpu().contiguous()
         want_lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
         apply_penalties(logits, reqs)
