@@ -24,7 +24,11 @@ def test_poisson_arrivals_and_the_mix():
     items = workload.synthetic(20.0, None, 50.0, seed=1)
     assert 850 < len(items) < 1150 and items == sorted(items, key=lambda it: it.at)
     shares = {b.name: sum(it.bucket == b.name for it in items) / len(items) for b in workload.MIX}
-    assert abs(shares["chat"] - 0.7) < 0.06
+    assert all(abs(shares[b.name] - b.share) < 0.06 for b in workload.MIX), shares
+    docs = [workload.body(it, "m", "/v1/completions", False)["prompt"].split() for it in items if it.bucket == "doc"]
+    head = next(b.prefix for b in workload.MIX if b.name == "doc")
+    assert head and all(d[:head] == docs[0][:head] for d in docs) and len({" ".join(d) for d in docs}) == len(docs)
+    assert all(len(d) == it.prompt_tokens for d, it in zip(docs, [it for it in items if it.bucket == "doc"]))
     assert [it.at for it in workload.synthetic(float("inf"), 5, None, 0)] == [0.0] * 5
 
 

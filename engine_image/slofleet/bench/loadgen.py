@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from slofleet.api.contract import BUCKET_HEADER
+
 WORDS = ("the a river of engine quiet garden window market theory planet music letter forest winter machine "
          "story bridge lantern harbor circuit memory ocean desert village candle rhythm").split()
 
@@ -16,6 +18,13 @@ WORDS = ("the a river of engine quiet garden window market theory planet music l
 def words(n: int, rng: random.Random) -> str:
     """n words drawn from WORDS: common enough that most tokenizers make about one token of each."""
     return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def prompt(n: int, rng: random.Random, prefix: int = 0) -> str:
+    """n words, of which the first `prefix` are the same in every prompt with that prefix length."""
+    if not prefix:
+        return words(n, rng)
+    return words(prefix, random.Random(prefix)) + " " + words(max(0, n - prefix), rng)
 
 
 @dataclass
@@ -40,27 +49,42 @@ class Bucket:
     ttft_slo: float
     tpot_slo: float
     share: float
+    prefix: int = 0  # the first `prefix` words are the same in every request of the bucket (a shared document head)
 
-    def body(self, model: str, rng: random.Random) -> dict:
-        return {"model": model, "messages": [{"role": "user", "content": "Summarise: " + words(
-                rng.randint(*self.words), rng)}],
-                "max_tokens": self.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    def text(self, rng: random.Random) -> str:
+        return prompt(rng.randint(*self.words), rng, self.prefix)
+
+    def body(self, model: str, rng: random.Random, completion: bool = False) -> dict:
+        """A streaming request with usage in its last chunk; greedy, so every system gets the same work."""
+        out = {"model": model, "max_tokens": self.max_tokens, "temperature": 0, "stream": True,
+               "stream_options": {"include_usage": True}, "ignore_eos": True}
+        if completion:
+            return out | {"prompt": self.text(rng)}
+        return out | {"messages": [{"role": "user", "content": "Summarise: " + self.text(rng)}]}
+
+
+# The load mix of issue #14, the default of benchmarks/load.py and `slofleet bench`: short chats, ~500-token
+# documents sharing a 120-word head, long outputs; (prompt words, output tokens, TTFT/TPOT SLO in s, share).
+MIX = [Bucket("chat", (20, 60), 24, ttft_slo=2.0, tpot_slo=0.4, share=0.6),
+       Bucket("doc", (480, 520), 8, ttft_slo=6.0, tpot_slo=0.4, share=0.25, prefix=120),
+       Bucket("long-output", (20, 40), 64, ttft_slo=2.0, tpot_slo=0.4, share=0.15)]
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict, bucket: str,
                      cancel_after: int | None = None, send_ignore_eos: bool = True,
                      path: str = "/v1/chat/completions", headers: dict[str, str] | None = None,
-                     origin: float = 0.0) -> Result:
+                     origin: float = 0.0, send_bucket: bool = True) -> Result:
     """Send one streaming request (chat, or a completion when `path` is one); stop reading after cancel_after
-    chunks (a disconnect)."""
+    chunks (a disconnect). `bucket` labels the result, and goes to the server as its bucket header if send_bucket."""
     if not send_ignore_eos:
         body = {k: v for k, v in body.items() if k != "ignore_eos"}
+    headers = {**({BUCKET_HEADER: bucket} if send_bucket else {}), **(headers or {})}
     t0 = time.perf_counter()
     times: list[float] = []
     usage: dict = {}
     try:
         async with client.stream("POST", url + path, json=body,
-                                 headers={"x-slofleet-bucket": bucket, **(headers or {})}) as r:
+                                 headers=headers) as r:
             if r.status_code != 200:
                 return Result(bucket, r.status_code, error=(await r.aread()).decode()[:200], start=t0 - origin)
             async for line in r.aiter_lines():

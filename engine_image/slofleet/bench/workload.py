@@ -9,11 +9,8 @@ from dataclasses import dataclass
 
 from slofleet.router.buckets import Classifier, load_buckets
 
-from .loadgen import Bucket, words
+from .loadgen import MIX, prompt
 
-# A chat / long-document / long-output mix (prompt words, output tokens, share), as the load script's.
-MIX = [Bucket("chat", (20, 60), 48, 0, 0, 0.7), Bucket("doc", (900, 1100), 32, 0, 0, 0.15),
-       Bucket("long-output", (20, 40), 192, 0, 0, 0.15)]
 TRACES = ("conversation", "code", "long")  # slofleet.autoscaler.traces.FILES: ../shared/data/traces
 
 
@@ -24,6 +21,7 @@ class Item:
     prompt_tokens: int  # as sent (one token per word, see loadgen.words)
     max_tokens: int
     seed: int  # of its prompt text
+    prefix: int = 0  # leading words shared by every request of its bucket
 
 
 @dataclass
@@ -53,7 +51,7 @@ def synthetic(rate: float, n: int | None, duration: float | None, seed: int) -> 
     out = []
     for at in arrivals(rate, n, duration, rng):
         b = rng.choices(MIX, [b.share for b in MIX])[0]
-        out.append(Item(at, b.name, rng.randint(*b.words), b.max_tokens, rng.getrandbits(32)))
+        out.append(Item(at, b.name, rng.randint(*b.words), b.max_tokens, rng.getrandbits(32), b.prefix))
     return out
 
 
@@ -66,10 +64,10 @@ def replay(name: str, rate: float | None, n: int | None, duration: float | None,
     speed = 1.0 if rate is None else rate / trace.rate
     rng = random.Random(seed)
     out = []
-    for at, prompt, output in zip(trace.arrival / speed, trace.prompt, trace.output):
+    for at, length, output in zip(trace.arrival / speed, trace.prompt, trace.output):
         if (n is not None and len(out) >= n) or (duration is not None and at >= duration):
             break
-        out.append(Item(float(at), name, int(prompt), int(output), rng.getrandbits(32)))
+        out.append(Item(float(at), name, int(length), int(output), rng.getrandbits(32)))
     return out
 
 
@@ -94,7 +92,7 @@ def classify(items: list[Item], classifier: Classifier, path: str) -> None:
 
 
 def body(it: Item, model: str, path: str, ignore_eos: bool) -> dict:
-    text = words(it.prompt_tokens, random.Random(it.seed))
+    text = prompt(it.prompt_tokens, random.Random(it.seed), it.prefix)
     out = {"model": model, "max_tokens": it.max_tokens, "temperature": 0, "stream": True,
            "stream_options": {"include_usage": True}, **({"ignore_eos": True} if ignore_eos else {})}
     if "chat" in path:
