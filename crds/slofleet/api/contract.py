@@ -51,6 +51,12 @@ ROUTER_HELD = "slofleet:router_held_requests"  # the router's requests held whil
 
 # -- KV events (`slofleet serve --kv-events-endpoint`: vLLM's wire format over ZMQ, engine/server/kv_events.py) ---
 KV_EVENTS_TOPIC = "kv"  # the topic is f"{KV_EVENTS_TOPIC}@{epoch}@{model}", the epoch new at every engine start
+# Where an engine publishes them (vLLM's ports) and answers replays, as named container ports in a cluster: the router
+# subscribes at these ports on each replica's address (its --kv-events-endpoint templates).
+KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5558
+KV_EVENTS_PORT_NAME, KV_REPLAY_PORT_NAME = "kv-events", "kv-replay"
+# Seeds the published hash chain (as vLLM's): the router must see the engines' value to compute the same hashes.
+KV_HASH_SEED_ENV = "PYTHONHASHSEED"
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

@@ -5,7 +5,16 @@ import argparse
 import logging
 import typing
 
-from slofleet.api.contract import DECODE, PREFILL, REPLICA_HEADER, ROLE_LABEL, SERVICE_LABEL, UNIFIED
+from slofleet.api.contract import (
+    DECODE,
+    KV_EVENTS_PORT,
+    KV_REPLAY_PORT,
+    PREFILL,
+    REPLICA_HEADER,
+    ROLE_LABEL,
+    SERVICE_LABEL,
+    UNIFIED,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,9 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=typing.get_args(Spec.model_fields["policy"].annotation))
     parser.add_argument("--model", default=None,
                         help="--policy precise: the engines' --model, for its tokenizer, chat template and fingerprint")
-    parser.add_argument("--kv-events-endpoint", default="tcp://{host}:5557", metavar="TEMPLATE",
+    parser.add_argument("--kv-events-endpoint", default=f"tcp://{{host}}:{KV_EVENTS_PORT}", metavar="TEMPLATE",
                         help="--policy precise: each replica's KV event publisher ({host}: the replica's)")
-    parser.add_argument("--kv-events-replay-endpoint", default="tcp://{host}:5558", metavar="TEMPLATE",
+    parser.add_argument("--kv-events-replay-endpoint", default=f"tcp://{{host}}:{KV_REPLAY_PORT}", metavar="TEMPLATE",
                         help="--policy precise: each replica's replay socket, to fill gaps (empty: none)")
     parser.add_argument("--prefix-index-blocks", type=int, default=1_000_000,
                         help="--policy precise: (replica, block) entries the index holds at most")

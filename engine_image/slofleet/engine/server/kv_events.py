@@ -31,7 +31,7 @@ import cbor2
 import msgpack
 import zmq
 
-from slofleet.api.contract import KV_EVENTS_TOPIC
+from slofleet.api.contract import KV_EVENTS_TOPIC, KV_HASH_SEED_ENV
 
 from ..engine import LLMEngine
 
@@ -54,7 +54,7 @@ class ExternalChain:
     """hash(parent, token_ids) of vLLM's chain, with the model's fingerprint as the first block's extra key."""
 
     def __init__(self, fingerprint: bytes, seed: str | None = None):
-        self.none_hash = sha256_cbor(os.environ.get("PYTHONHASHSEED", "") if seed is None else seed)
+        self.none_hash = sha256_cbor(os.environ.get(KV_HASH_SEED_ENV, "") if seed is None else seed)
         self.first_keys = (fingerprint.hex(),)
 
     def __call__(self, parent: bytes | None, token_ids: list[int]) -> bytes:
