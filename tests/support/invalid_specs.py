@@ -5,6 +5,7 @@ from __future__ import annotations
 
 POOL = {"minReplicas": 1, "maxReplicas": 2}
 SLO = {"ttftMs": 100}
+PRECISE = {"policy": "precise", "resources": {"limits": {"memory": "2Gi"}}}
 
 # (what is wrong, spec, the field kubectl names, the rule's message)
 INVALID = [
@@ -41,6 +42,10 @@ INVALID = [
     ("two gpus per engine", {"engine": {"gpus": 2}}, "spec.engine",
      "engine.gpus > 1 is not supported: an engine process runs on one GPU (no tensor parallelism); use gpus: 1 and "
      "more replicas"),
+    ("precise without prefix caching", {"router": PRECISE, "engine": {"enablePrefixCaching": False}}, "spec",
+     "router.policy precise routes on the engines' prefix caches: it needs engine.enablePrefixCaching true"),
+    ("precise with the engine on an event port", {"router": PRECISE, "engine": {"port": 5558}}, "spec",
+     "router.policy precise: engine.port must not be 5557 or 5558, the engines' KV event ports"),
 ]
 # Schema (non-CEL) rules: one of each kind the CRD uses.
 INVALID_SCHEMA = [

@@ -1,7 +1,7 @@
 """What every custom-resource model shares: camelCase on the wire, CEL rules beside their fields, plain defaults."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 def to_camel(name: str) -> str:
@@ -24,3 +24,9 @@ class Model(BaseModel):
 
     def wire(self) -> dict:
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class Resources(Model):
+    """A container's requests and limits (cpu, memory, ...), as Kubernetes spells them."""
+    requests: dict[str, int | str] = Field({"cpu": "1", "memory": "2Gi"})
+    limits: dict[str, int | str] = Field({"cpu": "2", "memory": "4Gi"})

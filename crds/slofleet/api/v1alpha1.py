@@ -16,8 +16,11 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from slofleet.api.base import Model as _Model
+from slofleet.api.base import (
+    Resources,
+    to_camel,  # noqa: F401 (re-exported)
+)
 from slofleet.api.base import rules as _rules
-from slofleet.api.base import to_camel  # noqa: F401 (re-exported)
 from slofleet.api.contract import (  # noqa: F401 (ROLES re-exported)
     DEFAULT_ENGINE_PORT,
     DEFAULT_GRACE_SECONDS,
@@ -25,6 +28,7 @@ from slofleet.api.contract import (  # noqa: F401 (ROLES re-exported)
     ROLES,
 )
 from slofleet.api.network import Network
+from slofleet.api.router import Router, RouterAuth, precise_rules  # noqa: F401 (RouterAuth re-exported)
 
 GROUP = "slofleet.dev"
 VERSION = "v1alpha1"
@@ -50,11 +54,6 @@ class ModelSource(_Model):
         ("self.source != 'init' || (has(self.initImage) && has(self.initCommand))",
          "model.source init needs model.initImage and model.initCommand"),
     ))
-
-
-class Resources(_Model):
-    requests: dict[str, int | str] = Field({"cpu": "1", "memory": "2Gi"})
-    limits: dict[str, int | str] = Field({"cpu": "2", "memory": "4Gi"})
 
 
 def engine_field(name: str):
@@ -97,7 +96,8 @@ class Engine(_Model):
     enable_prefix_caching: bool = engine_field("enable_prefix_caching")
     max_waiting_requests: int = engine_field("max_waiting_requests")
     max_queued_tokens: int = engine_field("max_queued_tokens")
-    startup_seconds: int = Field(300, ge=10, description="how long model loading may take before liveness applies")
+    startup_seconds: int = Field(300, ge=10, description="how long model loading may take before liveness applies "
+                                 "(to the router too, which loads the model under router.policy precise)")
     drain_seconds: int = Field(DEFAULT_GRACE_SECONDS, ge=1,
                                description="on SIGTERM (a rollout, an eviction), in-flight requests get this long to "
                                "finish; the autoscaler scales down only when typical requests fit in it. A scale-down "
@@ -219,33 +219,6 @@ class Autoscaling(_Model):
                                          "replicas, and that a scale-down must not push the remaining ones over")
 
 
-class RouterAuth(_Model):
-    """API keys and their quotas, from a Secret the router mounts and re-reads within seconds of a change."""
-    secret_name: str = Field(..., min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-                             description="Secret in the service's namespace that holds the keys")
-    key: str = Field("keys", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
-                     description="the Secret's key whose value lists the API keys, one a line: "
-                     "`KEY [name=LABEL] [rpm=N] [tpm=N]` (requests and tokens per minute, 0: unlimited)")
-    requests_per_minute: float = Field(0, ge=0, description="quota of a key whose line sets no rpm (0: unlimited)")
-    tokens_per_minute: float = Field(0, ge=0, description="quota of a key whose line sets no tpm (0: unlimited); a "
-                                     "request is charged its prompt plus the output it allows")
-
-
-class Router(_Model):
-    """The `slofleet router` Deployment in front of the engines, the service's endpoint: buckets, priority
-    shedding, prefix-aware replica choice, the prefill -> decode hand-off, and holding requests while no engine
-    is ready (scale from zero). It finds the engines through their Services' EndpointSlices."""
-    enabled: bool = Field(True, description="off: no router; clients call the engines' Services directly")
-    replicas: int = Field(1, ge=1, le=64)
-    port: int = Field(8080, ge=1, le=65535)
-    policy: Literal["prefix", "least-load", "round-robin", "precise"] = Field("prefix", description="replica choice")
-    hold_timeout_seconds: int = Field(60, ge=0, le=3600, description="how long a request waits for a ready engine "
-                                      "(scale from zero) before it gets 503")
-    resources: Resources = Field({"requests": {"cpu": "100m", "memory": "128Mi"},
-                                  "limits": {"cpu": "1", "memory": "512Mi"}})
-    auth: RouterAuth | None = Field(None, description="API keys: absent, the router takes requests without a key")
-
-
 class LLMServiceSpec(_Model):
     model: ModelSource = Field({})
     engine: Engine = Field({})
@@ -256,6 +229,7 @@ class LLMServiceSpec(_Model):
     autoscaling: Autoscaling = Field({})
     router: Router = Field({})
     network: Network = Field({})
+    model_config = ConfigDict(json_schema_extra=precise_rules())
 
 
 class SLOPolicySpec(_Model):
