@@ -53,7 +53,7 @@ def other_value(name: str):
         return not s.default
     if s.choices:
         return next(c for c in s.choices if c != s.default)
-    return s.default * 2
+    return s.default * 2 or 4  # a setting off at 0 is on at 4
 
 
 @pytest.mark.parametrize("name", [*ENGINE_SETTINGS, *MAPPED])

@@ -43,6 +43,8 @@ FIELDS = {
     "engine.enablePrefixCaching": f"{FLAGS}[enable_prefix_caching]",
     "engine.maxWaitingRequests": f"{FLAGS}[max_waiting_requests]",
     "engine.maxQueuedTokens": f"{FLAGS}[max_queued_tokens]",
+    "engine.numSpeculativeTokens": f"{FLAGS}[num_speculative_tokens]",
+    "engine.speculativeNgram": f"{FLAGS}[speculative_ngram]",
     "engine.startupSeconds": f"{LOGIC}::test_image_env_probes_and_drain",
     "engine.drainSeconds": f"{DECIDE}::test_drain_seconds_is_the_time_a_scale_down_must_fit_in",
     "engine.pricePerHour": f"{FLAGS}[price_per_hour]",

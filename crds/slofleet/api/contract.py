@@ -191,6 +191,10 @@ ENGINE_SETTINGS: dict[str, Setting] = {
     "enable_prefix_caching": Setting(True, "reuse KV blocks of shared prompt prefixes"),
     "max_waiting_requests": Setting(256, "admission limit: waiting requests before 429", 1),
     "max_queued_tokens": Setting(262144, "admission limit: queued prompt tokens before 429", 1),
+    "num_speculative_tokens": Setting(0, "speculative decoding: draft tokens per decode step, looked up in the "
+                                      "request's own prompt and output (n-gram); greedy requests only; 0: off",
+                                      0, 16),
+    "speculative_ngram": Setting(3, "speculative decoding: tokens matched to find a draft", 1, 16),
 }
 DEFAULT_ENGINE_PORT = 8000  # `slofleet serve --port`, and spec.engine.port
 DEFAULT_GRACE_SECONDS = 30  # `slofleet serve --grace-period`, and spec.engine.drainSeconds

@@ -96,6 +96,8 @@ class Engine(_Model):
     enable_prefix_caching: bool = engine_field("enable_prefix_caching")
     max_waiting_requests: int = engine_field("max_waiting_requests")
     max_queued_tokens: int = engine_field("max_queued_tokens")
+    num_speculative_tokens: int = engine_field("num_speculative_tokens")
+    speculative_ngram: int = engine_field("speculative_ngram")
     startup_seconds: int = Field(300, ge=10, description="how long model loading may take before liveness applies "
                                  "(to the router too, which loads the model under router.policy precise)")
     drain_seconds: int = Field(DEFAULT_GRACE_SECONDS, ge=1,

@@ -82,13 +82,17 @@ class BlockPool:
                 del self.free[block.block_id]
             block.ref_count += 1
 
-    def release(self, blocks: list[Block]) -> None:
+    def release(self, blocks: list[Block], reuse_first: bool = False) -> None:
+        """reuse_first: the blocks hold nothing worth caching (a draft's rejected slots), so they go to the front of
+        the free list and are taken again before any cached block is evicted."""
         # Reverse order so a request's tail blocks are evicted before its shared head.
         for block in reversed(blocks):
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block.block_id} released twice"
             if block.ref_count == 0:
                 self.free[block.block_id] = block
+                if reuse_first:
+                    self.free.move_to_end(block.block_id, last=False)
 
     def register(self, block: Block, block_hash: bytes, event: tuple | None = None) -> None:
         """event: (ext_hash, ext_parent, token_ids) of the block, recorded when it enters the cache."""

@@ -40,6 +40,10 @@ class EngineConfig:
     enable_prefix_caching: bool = shared("enable_prefix_caching")
     max_waiting_requests: int = shared("max_waiting_requests")
     max_queued_tokens: int = shared("max_queued_tokens")
+    num_speculative_tokens: int = shared("num_speculative_tokens")
+    speculative_ngram: int = shared("speculative_ngram")
+    speculative_buckets: str = own("", "buckets whose requests draft, comma-separated (default: all, when "
+                                   "--num-speculative-tokens > 0)")
     bucket_priorities: str = own("", "default priority per bucket, e.g. 'chat=0,doc=5' (lower runs first)")
     cuda_graphs: bool = own(True, "replay captured CUDA graphs for decode batches (GPU only)")
     num_threads: int = own(0, "torch CPU threads (0: follow the container's CPU quota)")

@@ -24,6 +24,7 @@ from .runner import ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .speculative import Speculator
 from .stats import EngineStats, StepRecord, StepStats
 
 __all__ = ["AdmissionError", "LLMEngine", "RequestOutput"]
@@ -70,6 +71,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.sampler = Sampler(self.eos_ids, config.seed)
+        self.spec = Speculator(config.num_speculative_tokens, config.speculative_ngram, config.speculative_buckets)
         self.bucket_priorities = config.bucket_priority_map()
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, Detokenizer] = {}
@@ -158,7 +160,7 @@ class LLMEngine:
                            preemptions_by_bucket=dict(sched.preemptions_by_bucket),
                            admission_refusals=sched.admission_refusals, steps=replace(self.step_stats),
                            dtype=self.runner.dtype_choice, kv_evictions=pool.evictions,
-                           kv_block_bytes=self.runner.bytes_per_block(),
+                           kv_block_bytes=self.runner.bytes_per_block(), spec=self.spec.stats.copy(),
                            kv_unfilled_slots=sum(len(self.kv.block_table(r.request_id)) * self.config.block_size
                                                  - r.num_computed_tokens for r in list(sched.running)))
 
@@ -190,10 +192,10 @@ class LLMEngine:
         self.runner.write_kv(self.kv.block_table(req.request_id), payload.k, payload.v)
         req.num_computed_tokens = req.num_prompt_tokens
         req.record(Event.SCHEDULED)
-        return self._postprocess([req], [payload.first_token], [payload.first_logprobs])
+        return self._postprocess([req], [[payload.first_token]], [[payload.first_logprobs]])
 
-    def _finish(self, req: Request, reason: FinishReason, token: int | None = None, text: str = "",
-                logprobs: dict[int, float] | None = None) -> RequestOutput:
+    def _finish(self, req: Request, reason: FinishReason, tokens: list[int] | None = None, text: str = "",
+                logprobs: list[dict[int, float]] | None = None) -> RequestOutput:
         kv = None
         if req.export_kv and reason in (FinishReason.STOP, FinishReason.LENGTH):  # a first token was sampled
             kv = kv_transfer.export(self.runner, self.kv.block_table(req.request_id), req)
@@ -203,9 +205,8 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self.detok.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
-        return RequestOutput(request_id=req.request_id, new_token_ids=[] if token is None else [token], new_text=text,
-                             finished=True, finish_reason=reason, request=req,
-                             new_logprobs=[] if logprobs is None else [logprobs], kv=kv)
+        return RequestOutput(request_id=req.request_id, new_token_ids=tokens or [], new_text=text, finished=True,
+                             finish_reason=reason, request=req, new_logprobs=logprobs or [], kv=kv)
 
     def _stop_reason(self, req: Request, token: int, stop_hit: bool) -> FinishReason | None:
         p = req.params
@@ -236,6 +237,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         outputs = self._drain_inboxes()
         t0 = time.monotonic()
+        self.spec.propose(self.scheduler.running)
         sched: SchedulerOutput = self.scheduler.schedule()
         outputs += [self._finish(r, FinishReason.DEADLINE) for r in sched.expired]
         if not sched.scheduled:
@@ -253,40 +255,49 @@ class LLMEngine:
             req.num_prompt_computed += prompt
             if prompt:
                 req.record(Event.PREFILL_CHUNK, t_forward)
-            req.num_computed_tokens += n
+            req.num_computed_tokens += n - len(req.draft)  # a draft's tokens count once accepted (settle)
+        decodes = sum(1 for req, n in sched.scheduled if n == 1 + len(req.draft))
         # A request samples once all its tokens are computed; a partial prefill chunk does not.
-        rows = [i for i, (req, _) in enumerate(sched.scheduled) if req.num_computed_tokens >= req.num_tokens]
+        rows, reqs = self.spec.rows(sched.scheduled)
+        kept: list[list[int]] = []
         if rows:
-            reqs = [sched.scheduled[i][0] for i in rows]
             tokens, logprobs = self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], reqs)
-            outputs += self._postprocess(reqs, tokens, logprobs)
+            reqs, kept, kept_lps = self.spec.accept(reqs, tokens, logprobs)
+            outputs += self._postprocess(reqs, kept, kept_lps)
+            self.spec.settle(self.kv, reqs)
         seconds = time.monotonic() - t0
         self.scheduler.recent_steps.append(seconds)
-        decodes = sum(1 for _, n in sched.scheduled if n == 1)
         self.last_step = StepRecord(seconds=seconds, num_tokens=sched.num_tokens, num_decodes=decodes,
-                                    num_requests=len(sched.scheduled))
+                                    num_requests=len(sched.scheduled), num_generated=sum(map(len, kept)))
         for req, _ in sched.scheduled:  # each request's share of the step, for cost attribution
             req.busy_s += seconds / len(sched.scheduled)
         return outputs
 
-    def _postprocess(self, reqs: list[Request], tokens: list[int], logprobs: list) -> list[RequestOutput]:
+    def _postprocess(self, reqs: list[Request], tokens: list[list[int]], logprobs: list[list]
+                     ) -> list[RequestOutput]:
+        """One output per request for the tokens it produced this step (several where a draft was accepted),
+        each token checked in turn: a stop ends the request there and the tokens after it are dropped."""
         outputs = []
-        for req, tok, lp in zip(reqs, tokens, logprobs):
+        for req, toks, lps in zip(reqs, tokens, logprobs):
             if not req.output_token_ids and req.first(Event.FIRST_TOKEN) is None:
                 req.record(Event.FIRST_TOKEN)
-            req.output_token_ids.append(tok)
-            if lp is not None:
-                req.output_logprobs.append(lp)
-            detok = self.detok[req.request_id]
-            is_special = tok in self.eos_ids and not req.params.ignore_eos
-            text, stop_hit = detok.add(tok) if not is_special else ("", False)
-            reason = self._stop_reason(req, tok, stop_hit)
+            detok, new, new_lps, text, reason, stop_hit = self.detok[req.request_id], [], [], "", None, False
+            for tok, lp in zip(toks, lps):
+                req.output_token_ids.append(tok)
+                new.append(tok)
+                if lp is not None:
+                    req.output_logprobs.append(lp)
+                    new_lps.append(lp)
+                is_special = tok in self.eos_ids and not req.params.ignore_eos
+                piece, stop_hit = detok.add(tok) if not is_special else ("", False)
+                text += piece
+                if (reason := self._stop_reason(req, tok, stop_hit)) is not None:
+                    break
             if reason is None:
-                outputs.append(RequestOutput(request_id=req.request_id, new_token_ids=[tok], new_text=text,
-                                             finished=False, finish_reason=None, request=req,
-                                             new_logprobs=[] if lp is None else [lp]))
+                outputs.append(RequestOutput(request_id=req.request_id, new_token_ids=new, new_text=text,
+                                             finished=False, finish_reason=None, request=req, new_logprobs=new_lps))
                 continue
             if not stop_hit:
                 text += detok.flush()
-            outputs.append(self._finish(req, reason, tok, text, lp))
+            outputs.append(self._finish(req, reason, new, text, new_lps))
         return outputs

@@ -68,12 +68,13 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def allocate(self, req: Request, num_new_tokens: int, hits: list[Block] = ()) -> bool:
-        """Reserve blocks so num_computed + cached + num_new tokens fit; False when the pool is short."""
+    def allocate(self, req: Request, num_new_tokens: int, hits: list[Block] = (), lookahead: int = 0) -> bool:
+        """Reserve blocks so num_computed + cached + num_new tokens fit, and lookahead slots past them (a draft's,
+        which hold no real token and are never registered); False when the pool is short."""
         table = self.tables.setdefault(req.request_id, [])
         first_allocation = not table
         num_total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        need = self.blocks_needed(num_total) - len(table) - len(hits)
+        need = self.blocks_needed(num_total + lookahead) - len(table) - len(hits)
         evictable_hits = sum(1 for b in hits if b.ref_count == 0)
         if need > self.pool.num_free - evictable_hits:
             if not table:
@@ -87,14 +88,29 @@ class KVCacheManager:
         if need > 0:
             table.extend(self.pool.allocate(need))
         # Blocks this step fills are registered now: their tokens are known and computed in this step.
-        self._update_hashes(req, num_total)
+        self._register(req, table, req.num_computed_tokens, num_total)
+        return True
+
+    def _register(self, req: Request, table: list[Block], start: int, end: int) -> None:
+        """Put the full blocks among tokens [start, end) in the prefix cache."""
+        self._update_hashes(req, end)
         # Hashes may run ahead of the table (computed for the whole prompt at lookup); register only
-        # the blocks this allocation covers.
+        # the blocks asked for.
         bs, ext, ids = self.block_size, req.ext_hashes, req.token_ids() if self.external else None
-        for i in range(req.num_computed_tokens // bs, num_total // bs):
+        for i in range(start // bs, end // bs):
             event = (ext[i], ext[i - 1] if i else None, ids[i * bs:(i + 1) * bs]) if ids else None
             self.pool.register(table[i], req.block_hashes[i], event)
-        return True
+
+    def rollback(self, req: Request, start: int) -> None:
+        """After a verified draft (num_computed_tokens now counts the accepted ones): release the blocks past the
+        request's tokens, which held rejected drafts' KV only, and register the full blocks the accepted drafts
+        completed from token `start` on. A rejected token's slot left in the last block is overwritten by the
+        next step before anything reads it."""
+        table = self.tables[req.request_id]
+        keep = self.blocks_needed(req.num_tokens)
+        self.pool.release(table[keep:], reuse_first=True)
+        del table[keep:]
+        self._register(req, table, start, req.num_computed_tokens)
 
     def free(self, req: Request) -> None:
         self.pool.release(self.tables.pop(req.request_id, []))

@@ -64,6 +64,7 @@ class Request:
     ext_hashes: list[bytes] = field(default_factory=list)  # vLLM's chain (KVCacheManager.external), when asked for
     export_kv: bool = False  # prefill role: hand the prompt's KV blocks out when the first token is sampled
     imported: KVPayload | None = None  # decode role: KV to load instead of computing the prompt
+    draft: list[int] = field(default_factory=list)  # speculative tokens to verify after the last one (this step)
 
     def __post_init__(self) -> None:
         self.record(Event.ARRIVED, self.arrival_time)

@@ -80,12 +80,14 @@ class ModelRunner:
     def prepare(self, batch: list[tuple[Request, int, list[int]]]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten (request, tokens this step, block table) into model inputs, attention metadata and the rows to
-        sample. Everything travels in two tensors (int64: ids, positions, slots, rows; int32: query starts, lengths,
-        block tables) that the fields are views of: two small host tensors and two copies to the device per step."""
+        sample: the last token of each request, and each of a draft's tokens before it (speculative.py). Everything
+        travels in two tensors (int64: ids, positions, slots, rows; int32: query starts, lengths, block tables)
+        that the fields are views of: two small host tensors and two copies to the device per step."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        rows: list[int] = []
         qsl, slens, qlens = [0], [], []
         for req, n, table in batch:
             start = req.num_computed_tokens
@@ -94,11 +96,12 @@ class ModelRunner:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                ids += req.token_ids()[start:start + n]
+                ids += [req.token_at(start), *req.draft] if req.draft else req.token_ids()[start:start + n]
                 pos = range(start, start + n)
                 positions += pos
                 slots += [table[p // bs] * bs + p % bs for p in pos]
             qsl.append(qsl[-1] + n)
+            rows += range(qsl[-1] - 1 - len(req.draft), qsl[-1])
             qlens.append(n)
             slens.append(start + n)
         width = max(len(t) for _, _, t in batch)
@@ -107,7 +110,7 @@ class ModelRunner:
             tables += t
             tables += [0] * (width - len(t))
         nt, b = len(ids), len(batch)
-        longs = torch.tensor(ids + positions + slots + [q - 1 for q in qsl[1:]], dtype=torch.long, device=self.device)
+        longs = torch.tensor(ids + positions + slots + rows, dtype=torch.long, device=self.device)
         ints = torch.tensor(qsl + slens + tables, dtype=torch.int32, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=longs[2 * nt:3 * nt], query_start_loc=ints[:b + 1], seq_lens=ints[b + 1:2 * b + 1],
@@ -117,7 +120,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[tuple[Request, int, list[int]]]) -> torch.Tensor:
-        """Logits at the last new token of every request in the batch ([B, vocab], fp32)."""
+        """Logits at the last new token of every request in the batch, each preceded by its draft's rows
+        ([B + drafted tokens, vocab], fp32)."""
         input_ids, positions, meta, rows = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(meta):
             return self.graphs.run(input_ids, positions, meta)  # valid until the next replay; sampled at once

@@ -82,7 +82,7 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.kv.free(victim)
-        victim.num_computed_tokens = 0
+        victim.num_computed_tokens, victim.draft = 0, []
         victim.record(Event.PREEMPTED)
         self.preemptions_by_bucket[victim.bucket] = self.preemptions_by_bucket.get(victim.bucket, 0) + 1
         out.preempted.append(victim)
@@ -102,6 +102,18 @@ class Scheduler:
         out.scheduled.append((req, num_new))
         scheduled.add(id(req))
         return True
+
+    def _extend_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Give the decodes just scheduled their drafts (speculative.py) from what the decodes left: budget, and
+        blocks that are free (a draft never preempts anyone). The budget left."""
+        for i, (req, _) in enumerate(out.scheduled):
+            k = min(len(req.draft), budget)
+            if k and self.kv.allocate(req, 1, lookahead=k):
+                req.draft, out.scheduled[i] = req.draft[:k], (req, 1 + k)
+                budget -= k
+            else:
+                req.draft = []
+        return budget
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput, scheduled: set[int]) -> int:
         """Start a waiting request (prefix-cache hits first); tokens scheduled, 0 when blocks are short."""
@@ -132,6 +144,7 @@ class Scheduler:
                 break
             if req in self.running and self._reserve(req, 1, out, scheduled):
                 budget -= 1
+        budget = self._extend_drafts(out, budget)
 
         now = time.monotonic()
         for req in [r for r in self.waiting if r.deadline is not None and r.deadline < now]:

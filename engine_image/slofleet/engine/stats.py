@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dtype_probe import DtypeChoice
+from .speculative import SpecStats
 
 
 @dataclass(slots=True, kw_only=True)
@@ -22,6 +23,7 @@ class StepRecord:
     num_tokens: int
     num_decodes: int
     num_requests: int
+    num_generated: int = 0  # tokens the step's requests kept (several per drafted request where drafts matched)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +42,7 @@ class EngineStats:
     kv_evictions: int  # cached blocks evicted to make room
     kv_block_bytes: int  # K and V of one block over all layers
     kv_unfilled_slots: int  # token slots allocated to running requests but not yet filled (fragmentation)
+    spec: SpecStats  # speculative decoding's per-bucket draft and acceptance counters
 
     @property
     def waiting(self) -> int:

@@ -72,6 +72,13 @@ class EngineCollector:
                       st.admission_refusals)
         yield family(CounterMetricFamily, "slofleet:preemptions_by_bucket", "Preemptions per bucket.",
                      {(b,): n for b, n in st.preemptions_by_bucket.items()}, ("bucket",))
+        for metric, doc, values in (
+                ("slofleet:spec_draft_tokens", "Speculative draft tokens verified, per bucket.", st.spec.drafted),
+                ("slofleet:spec_accepted_tokens", "Speculative draft tokens accepted, per bucket (over draft tokens: "
+                 "the acceptance rate).", st.spec.accepted),
+                ("slofleet:spec_drafts", "Drafted decode steps, per bucket (1 + accepted tokens over drafts: tokens "
+                 "per drafted step).", st.spec.drafts)):
+            yield family(CounterMetricFamily, metric, doc, {(b,): n for b, n in values.items()}, ("bucket",))
         yield gauge("slofleet:kv_cache_bytes_total", "Bytes of the KV block pool.",
                     st.kv_blocks_total * st.kv_block_bytes)
         yield gauge("slofleet:kv_cache_bytes_used", "Bytes of KV blocks in use.",

@@ -73,6 +73,8 @@ class Metrics:
                                 [*lb, "sampling"])
         self.step_tokens = hist("vllm:iteration_tokens_total", "Tokens per engine step.", LENGTH_BUCKETS,
                                 ["model_name"])
+        self.step_generated = hist("slofleet:iteration_generation_tokens", "Tokens generated per engine step "
+                                   "(a drafted request may add several).", LENGTH_BUCKETS, ["model_name"])
         self.decode_batch = hist("slofleet:decode_batch_size", "Decoding sequences per engine step.", BATCH_BUCKETS,
                                  ["model_name"])
         # KV
@@ -91,6 +93,7 @@ class Metrics:
 
     def observe_step(self, step: StepRecord) -> None:
         self.step_tokens.labels(self.model).observe(step.num_tokens)
+        self.step_generated.labels(self.model).observe(step.num_generated)
         if step.num_decodes:
             self.decode_batch.labels(self.model).observe(step.num_decodes)
 

@@ -1,0 +1,86 @@
+"""Speculative decoding with the real model: the same greedy tokens, text, stops, logprobs and finish reasons with
+n-gram drafts on and off, acceptance counted per bucket and exported, and every KV block back after each run."""
+from __future__ import annotations
+
+import pytest
+
+from slofleet.engine import LLMEngine
+from slofleet.engine.sampling_params import SamplingParams
+from slofleet.engine.server.collector import EngineCollector
+
+pytestmark = pytest.mark.slow
+
+DOC = ("The committee met on Tuesday to review the budget for the new library, which includes a reading room, a "
+       "children's corner and a small cafe near the entrance. The quick brown fox jumps over the lazy dog. ")
+REPETITIVE = [f"Repeat the following text exactly, twice:\n{DOC}\nRepeated text:",
+              "Count from 1 to 40, separated by commas: 1, 2, 3,",
+              "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {k: LLMEngine(dtype="float32", num_blocks=256, num_speculative_tokens=k, speculative_ngram=3)
+            for k in (0, 4)}
+
+
+def generate(engine: LLMEngine, prompts: list, params: list[SamplingParams], bucket: str = "default") -> list:
+    """(token ids, text joined from the deltas, finish reason, logprobs) per prompt; every block free after."""
+    reqs = [engine.add_request(p, sp, bucket=bucket) for p, sp in zip(prompts, params)]
+    texts = {r.request_id: "" for r in reqs}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert len(out.new_logprobs) == (len(out.new_token_ids) if out.request.params.logprobs else 0)
+            texts[out.request_id] += out.new_text
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    return [(r.output_token_ids, texts[r.request_id], r.finish_reason, r.output_logprobs) for r in reqs]
+
+
+def both(engines, prompts, params, bucket="default"):
+    return [generate(engines[k], prompts, params, bucket) for k in (0, 4)]
+
+
+def test_greedy_tokens_are_the_same_with_drafts_and_accepted_ones_are_exported(engines, chat_ids):
+    prompts = REPETITIVE + chat_ids
+    params = [SamplingParams(temperature=0, max_tokens=48)] * len(prompts)
+    off, on = both(engines, prompts, params, bucket="docs")
+    for (a, ta, fa, _), (b, tb, fb, _) in zip(off, on):
+        assert (a, ta, fa) == (b, tb, fb)
+    spec = engines[4].stats().spec
+    assert spec.accepted["docs"] > 0 and spec.drafted["docs"] >= spec.accepted["docs"] and spec.drafts["docs"] > 0
+    assert not engines[0].stats().spec.drafted
+    families = {f.name: f for f in EngineCollector(engines[4]).collect()}
+    sample = next(s for s in families["slofleet:spec_accepted_tokens"].samples if s.labels["bucket"] == "docs")
+    assert sample.name == "slofleet:spec_accepted_tokens_total" and sample.value == spec.accepted["docs"]
+
+
+def test_stops_lengths_and_logprobs_are_the_same_with_drafts(engines, tokenizer):
+    prompt = REPETITIVE[0]
+    (ids, text, _, _), = generate(engines[0], [prompt], [SamplingParams(temperature=0, max_tokens=40)])
+    word = text.split()[12]  # a stop string well inside the repeated text, where drafts are accepted
+    params = [SamplingParams(temperature=0, max_tokens=40, stop=[word]),
+              SamplingParams(temperature=0, max_tokens=40, stop=[word], include_stop_str_in_output=True),
+              SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[ids[20]]),
+              SamplingParams(temperature=0, max_tokens=7),
+              SamplingParams(temperature=0, max_tokens=30, min_tokens=10, logprobs=3),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=20)]  # sampled: decodes without drafts
+    off, on = both(engines, [prompt] * len(params), params)
+    for (a, ta, fa, la), (b, tb, fb, lb) in zip(off, on):
+        assert (a, ta, fa) == (b, tb, fb)
+        assert [sorted(x) for x in la] == [sorted(y) for y in lb]
+        assert all(abs(x[t] - y[t]) < 1e-3 for x, y in zip(la, lb) for t in x)
+    cut = text.index(word)
+    assert (on[0][1], on[1][1], on[0][2]) == (text[:cut], text[:cut + len(word)], "stop")
+    assert len(on[3][0]) == 7 and on[3][2] == "length" and len(on[4][3]) == len(on[4][0])
+
+
+def test_an_abort_mid_draft_frees_every_block(engines):
+    engine = engines[4]
+    reqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=200)) for p in REPETITIVE]
+    while not all(len(r.output_token_ids) > 5 for r in reqs):
+        engine.step()
+    for r in reqs:
+        engine.abort(r.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert all(r.finish_reason == "abort" for r in reqs)
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
