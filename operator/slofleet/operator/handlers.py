@@ -92,8 +92,8 @@ def reconcile_once(body: dict, trigger: str) -> Outcome:
             metrics.CHANGES.labels(item.split("/")[0], action).inc()
         if items:
             kopf.info(body, reason=action.capitalize(), message=f"{action} {', '.join(items)} ({trigger})")
-    for w in out.warnings:
-        kopf.warn(body, reason="PolicyNotFound", message=w)
+    for reason, message in out.warnings:
+        kopf.warn(body, reason=reason, message=message)
     return out
 
 

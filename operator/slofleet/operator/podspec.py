@@ -5,6 +5,10 @@ from slofleet.api.contract import (
     ENGINE_SETTINGS,
     INTERNAL_TOKEN_ENV,
     INTERNAL_TOKEN_KEY,
+    KV_EVENTS_PORT,
+    KV_EVENTS_PORT_NAME,
+    KV_REPLAY_PORT,
+    KV_REPLAY_PORT_NAME,
     MANAGED_BY,
     ROLE_LABEL,
     SERVICE_LABEL,
@@ -85,6 +89,11 @@ def serve_args(svc: LLMService, role: str, buckets: list[Bucket]) -> list[str]:
     # pods that the engines' NetworkPolicy admits) sends no internal token; it still guards KV hand-off and drain.
     if not svc.spec.router.enabled and svc.spec.network.gateway_namespace:
         args.append("--no-require-internal-token")
+    # Only where the router follows them: publishing costs a second hash chain per block. Every role publishes, as
+    # the router follows every replica it finds; it connects to the pod's address, not through a Service.
+    if svc.spec.router.kv_events():
+        args += ["--kv-events-endpoint", f"tcp://0.0.0.0:{KV_EVENTS_PORT}",
+                 "--kv-events-replay-endpoint", f"tcp://0.0.0.0:{KV_REPLAY_PORT}"]
     return args + list(e.args)
 
 
@@ -102,8 +111,17 @@ def probe(path: str, port: int, period: int, failures: int) -> dict:
             "timeoutSeconds": 2}
 
 
-def _volumes(svc: LLMService) -> tuple[list[dict], list[dict], list[dict]]:
-    """(volumes, engine mounts, init containers) for scratch space and the model weights."""
+def ports(svc: LLMService) -> list[dict]:
+    """The engine container's ports: HTTP, and the KV event publisher and its replay socket when they are on."""
+    out = [("http", svc.spec.engine.port)]
+    if svc.spec.router.kv_events():
+        out += [(KV_EVENTS_PORT_NAME, KV_EVENTS_PORT), (KV_REPLAY_PORT_NAME, KV_REPLAY_PORT)]
+    return [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in out]
+
+
+def model_volumes(svc: LLMService) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumes, mounts, init containers) for scratch space and the model weights, as the engines get them (and a
+    router that loads their model: the same files, so the same tokenizer and fingerprint)."""
     m = svc.spec.model
     # The root filesystem is read-only: /tmp (HOME and TMPDIR) and the converted-model cache are emptyDirs.
     volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
@@ -124,7 +142,7 @@ def _volumes(svc: LLMService) -> tuple[list[dict], list[dict], list[dict]]:
 
 def pod_template(svc: LLMService, role: str, buckets: list[Bucket], config_hash: str) -> dict:
     name, e = svc.metadata["name"], svc.spec.engine
-    volumes, mounts, inits = _volumes(svc)
+    volumes, mounts, inits = model_volumes(svc)
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     user = {k: v for k, v in e.env.items() if k != INTERNAL_TOKEN_ENV}  # the token comes from the Secret alone
@@ -133,7 +151,7 @@ def pod_template(svc: LLMService, role: str, buckets: list[Bucket], config_hash:
     container = {
         "name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy,
         "command": ["slofleet", "serve"], "args": serve_args(svc, role, buckets), "env": env,
-        "ports": [{"name": "http", "containerPort": e.port, "protocol": "TCP"}],
+        "ports": ports(svc),
         "resources": resources(svc),
         # Startup covers model loading; after it, liveness only asks "is the process alive" and
         # readiness "is it admitting" (false while draining on SIGTERM).

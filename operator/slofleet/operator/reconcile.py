@@ -20,7 +20,7 @@ class Outcome:
     created: list[str] = field(default_factory=list)  # "Kind/name"
     updated: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    warnings: list[tuple[str, str]] = field(default_factory=list)  # (reason, message) of a Warning event
     status: dict = field(default_factory=dict)
     requeue: float | None = None  # seconds until this service should be reconciled again (a drain in progress)
 
@@ -30,7 +30,8 @@ def resolve_buckets(kube: Kube, svc: LLMService, out: Outcome) -> list[Bucket]:
         return svc.spec.buckets
     raw = kube.get_policy(svc.metadata["namespace"], svc.spec.policy_ref)
     if raw is None:
-        out.warnings.append(f"SLOPolicy {svc.spec.policy_ref} not found: engines run without bucket priorities")
+        out.warnings.append(("PolicyNotFound",
+                             f"SLOPolicy {svc.spec.policy_ref} not found: engines run without bucket priorities"))
         return []
     return SLOPolicy.model_validate(raw).spec.buckets
 
@@ -40,6 +41,8 @@ def reconcile(kube: Kube, body: dict, router_cluster_role: str = router.DEFAULT_
     svc = LLMService.model_validate(body)
     ns, name = svc.metadata["namespace"], svc.metadata["name"]
     out = Outcome()
+    if (memory := router.memory_warning(svc)) is not None:
+        out.warnings.append(("RouterMemoryLow", memory))
     existing = kube.children(ns, name)
     # Drawn once, when the Secret is made; every later reconcile applies the token it holds.
     token = trust.token_of(existing.get(("Secret", podspec.secret_name(svc)))) or secrets.token_urlsafe(32)

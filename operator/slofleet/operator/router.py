@@ -3,18 +3,24 @@ ServiceAccount + RoleBinding that let it list the engines' EndpointSlices.
 
 The router finds the engines by the labels the operator puts on each role's Service (the EndpointSlice
 controller copies them onto the slices), so scaling a role, a rollout or a role switch needs no router restart.
+Under the precise policy it also follows each engine pod's KV events, at the pod's address on the ports of
+slofleet.api.contract, and loads the engines' model from the same volume to hash requests as they do.
 Its permissions come from one ClusterRole installed with the operator (manifests/rbac.yaml, the chart), bound
 per service in the service's namespace: the operator only needs `bind` on that ClusterRole, not its rules.
 """
 from __future__ import annotations
 
-from slofleet.api.contract import ROLE_LABEL, ROUTER, SERVICE_LABEL
+from slofleet.api.contract import KV_EVENTS_PORT, KV_HASH_SEED_ENV, KV_REPLAY_PORT, ROLE_LABEL, ROUTER, SERVICE_LABEL
+from slofleet.api.router import PRECISE_MEMORY
 from slofleet.api.v1alpha1 import LLMService
 from slofleet.operator.podspec import (
     CONFIG_HASH,
     DRAIN_DELAY_SECONDS,
     DRAIN_SLACK_SECONDS,
+    SCRATCH_ENV,
     labels,
+    model_arg,
+    model_volumes,
     probe,
     restricted,
     token_env,
@@ -47,7 +53,7 @@ def router_args(svc: LLMService) -> list[str]:
             "--max-model-len", str(svc.spec.engine.max_model_len),
             # open streams get as long to finish as the engines give theirs
             "--grace-period", str(svc.spec.engine.drain_seconds), "--drain-delay", str(DRAIN_DELAY_SECONDS),
-            *auth_args(svc)]
+            *auth_args(svc), *precise_args(svc)]
 
 
 def auth_args(svc: LLMService) -> list[str]:
@@ -58,12 +64,53 @@ def auth_args(svc: LLMService) -> list[str]:
             "--tpm", f"{a.tokens_per_minute:g}"]
 
 
+def precise_args(svc: LLMService) -> list[str]:
+    """The engines' model as they load it (its tokenizer and fingerprint make their hash chain), and where each
+    replica the router finds publishes its KV events: at the ports the engines bind (podspec.serve_args)."""
+    if not svc.spec.router.kv_events():
+        return []
+    return ["--model", model_arg(svc), "--kv-events-endpoint", f"tcp://{{host}}:{KV_EVENTS_PORT}",
+            "--kv-events-replay-endpoint", f"tcp://{{host}}:{KV_REPLAY_PORT}"]
+
+
+def memory_warning(svc: LLMService) -> str | None:
+    """What to change when the router's memory limit cannot hold the precise policy's model (the CRD cannot refuse
+    it: a quantity is past CEL's cost budget there), so that the user reads more than an OOMKilled router."""
+    from kubernetes.utils import parse_quantity  # only the operator has the client
+
+    limit = svc.spec.router.resources.limits.get("memory")
+    try:
+        if not svc.spec.router.kv_events() or limit is None or parse_quantity(limit) >= parse_quantity(PRECISE_MEMORY):
+            return None
+    except ValueError:  # not a quantity: the API server refuses the Deployment, and says so
+        return None
+    return (f"router.policy precise loads the engines' model in the router: give it router.resources.limits.memory "
+            f"of at least {PRECISE_MEMORY} (it has {limit})")
+
+
+def env(svc: LLMService) -> list[dict]:
+    out = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}, token_env(svc)]
+    if svc.spec.router.kv_events():
+        # Scratch and the model cache as the engines have them, and their chain's seed where the user set one.
+        seed = {k: v for k, v in svc.spec.engine.env.items() if k == KV_HASH_SEED_ENV}
+        out += [{"name": k, "value": v} for k, v in sorted({**SCRATCH_ENV, **seed}.items())]
+    return out
+
+
 def pod_template(svc: LLMService, config_map: str, config_hash: str) -> dict:
     r, e = svc.spec.router, svc.spec.engine
+    if r.kv_events():  # it loads the engines' model: their weights volume (or init container) and cache
+        volumes, mounts, inits = model_volumes(svc)
+    else:
+        volumes, mounts, inits = [{"name": "tmp", "emptyDir": {}}], [{"name": "tmp", "mountPath": "/tmp"}], []
+    volumes.append({"name": "config", "configMap": {"name": config_map}})
+    mounts.append({"name": "config", "mountPath": CONFIG_DIR, "readOnly": True})
+    if r.auth is not None:  # without its Secret the pod waits, as a router without its keys must not serve
+        volumes.append({"name": "auth", "secret": {"secretName": r.auth.secret_name}})
+        mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
     container = {
         "name": ROLE, "image": e.image, "imagePullPolicy": e.image_pull_policy,  # the one image of every role
-        "command": ["slofleet", "router"], "args": router_args(svc),
-        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}, token_env(svc)],
+        "command": ["slofleet", "router"], "args": router_args(svc), "env": env(svc),
         "ports": [{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
         "resources": {"requests": {k: str(v) for k, v in r.resources.requests.items()},
                       "limits": {k: str(v) for k, v in r.resources.limits.items()}},
@@ -71,19 +118,18 @@ def pod_template(svc: LLMService, config_map: str, config_hash: str) -> dict:
         # its Service to hold requests, which is what the autoscaler scales up from zero on.
         "readinessProbe": probe("/health", r.port, 2, 2),
         "livenessProbe": probe("/health", r.port, 10, 3),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
-                         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "volumeMounts": mounts,
         "securityContext": restricted(),
     }
-    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "config", "configMap": {"name": config_map}}]
-    if r.auth is not None:  # without its Secret the pod waits, as a router without its keys must not serve
-        volumes.append({"name": "auth", "secret": {"secretName": r.auth.secret_name}})
-        container["volumeMounts"].append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
+    if r.kv_events():  # it answers once the model is loaded (converted, on a first start): as long as an engine
+        container["startupProbe"] = probe("/health", r.port, 5, max(1, e.startup_seconds // 5))
     # It keeps its ServiceAccount token: it lists the engines' EndpointSlices.
-    return {"metadata": {"labels": router_labels(svc), "annotations": {CONFIG_HASH: config_hash}},
-            "spec": {"serviceAccountName": name_of(svc), "containers": [container], "volumes": volumes,
-                     "terminationGracePeriodSeconds": e.drain_seconds + DRAIN_SLACK_SECONDS,
-                     "securityContext": restricted(pod=True)}}
+    spec = {"serviceAccountName": name_of(svc), "containers": [container], "volumes": volumes,
+            "terminationGracePeriodSeconds": e.drain_seconds + DRAIN_SLACK_SECONDS,
+            "securityContext": restricted(pod=True)}
+    if inits:
+        spec["initContainers"] = inits
+    return {"metadata": {"labels": router_labels(svc), "annotations": {CONFIG_HASH: config_hash}}, "spec": spec}
 
 
 def children(svc: LLMService, owner: dict, cluster_role: str, config_map: str, config_hash: str) -> list[dict]:

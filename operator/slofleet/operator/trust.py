@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import base64
 
-from slofleet.api.contract import INTERNAL_TOKEN_KEY, ROLE_LABEL, ROLES, ROUTER, SERVICE_LABEL
+from slofleet.api.contract import (
+    INTERNAL_TOKEN_KEY,
+    KV_EVENTS_PORT_NAME,
+    KV_REPLAY_PORT_NAME,
+    ROLE_LABEL,
+    ROLES,
+    ROUTER,
+    SERVICE_LABEL,
+)
 from slofleet.api.v1alpha1 import LLMService
 from slofleet.operator import router
 from slofleet.operator.podspec import labels, secret_name
@@ -48,22 +56,27 @@ def engine_selector(svc: LLMService) -> dict:
 def network_policies(svc: LLMService, owner: dict, autoscaler_namespace: str) -> list[dict]:
     """The engines' NetworkPolicy, and the router's when it is on."""
     name, ns = svc.metadata["name"], svc.metadata.get("namespace", "default")
+    routers = {"podSelector": {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: ROUTER}}}
     # Peers: the decode engines pull KV from the prefill ones. Pod selectors alone mean this namespace.
-    peers = [{"podSelector": {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: ROUTER}}},
-             {"podSelector": engine_selector(svc)},
+    peers = [routers, {"podSelector": engine_selector(svc)},
              {**_in(autoscaler_namespace), "podSelector": {"matchLabels": AUTOSCALER_LABELS}},
              {**_in(autoscaler_namespace), "podSelector": {"matchLabels": OPERATOR_LABELS}}]
     if svc.spec.network.gateway_namespace:
         peers.append(_in(svc.spec.network.gateway_namespace))
 
-    def policy(meta_name: str, meta_labels: dict, pods: dict, port: int, sources: list[dict] | None) -> dict:
-        rule = {"ports": [{"protocol": "TCP", "port": port}], **({"from": sources} if sources else {})}
+    def rule(ports: list[int | str], sources: list[dict] | None) -> dict:
+        return {"ports": [{"protocol": "TCP", "port": p} for p in ports], **({"from": sources} if sources else {})}
+
+    def policy(meta_name: str, meta_labels: dict, pods: dict, rules: list[dict]) -> dict:
         return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                 "metadata": {"name": meta_name, "namespace": ns, "labels": meta_labels, "ownerReferences": [owner]},
-                "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": [rule]}}
+                "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": rules}}
 
-    out = [policy(f"{name}-engine", labels(name), engine_selector(svc), svc.spec.engine.port, peers)]
+    engine_rules = [rule([svc.spec.engine.port], peers)]
+    if svc.spec.router.kv_events():  # the engines' KV events (named container ports) are the router's alone
+        engine_rules.append(rule([KV_EVENTS_PORT_NAME, KV_REPLAY_PORT_NAME], [routers]))
+    out = [policy(f"{name}-engine", labels(name), engine_selector(svc), engine_rules)]
     if svc.spec.router.enabled:  # no `from`: any source, so the endpoint stays open under a namespace's default deny
-        out.append(policy(router.name_of(svc), router.router_labels(svc),
-                          {"matchLabels": {SERVICE_LABEL: name, ROLE_LABEL: ROUTER}}, svc.spec.router.port, None))
+        out.append(policy(router.name_of(svc), router.router_labels(svc), routers["podSelector"],
+                          [rule([svc.spec.router.port], None)]))
     return out
