@@ -24,13 +24,13 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 16, max_num_batched_t
 
 
 def make_request(prompt: int | list[int], max_tokens: int = 3, priority: int = 0, bucket: str = "default",
-                 deadline_s: float | None = None, request_id: str | None = None) -> Request:
+                 deadline_s: float | None = None, request_id: str | None = None, tpot: float | None = None) -> Request:
     """prompt: a length (tokens no other request shares, so no prefix-cache hits) or the token ids themselves."""
     n = next(_ids)
     ids = list(range(n * 100_000, n * 100_000 + prompt)) if isinstance(prompt, int) else list(prompt)
     return Request(request_id=request_id or f"r{n}", prompt_token_ids=ids,
                    params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                   max_tokens=max_tokens, priority=priority, bucket=bucket,
+                   max_tokens=max_tokens, priority=priority, bucket=bucket, tpot=tpot,
                    deadline=None if deadline_s is None else time.monotonic() + deadline_s)
 
 

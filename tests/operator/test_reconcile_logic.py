@@ -6,6 +6,7 @@ import json
 import pytest
 
 from slofleet.api.v1alpha1 import Bucket, LLMService, Pool, RoleAutoscaling
+from slofleet.engine.config import EngineConfig
 from slofleet.operator import children, status
 from slofleet.operator.podspec import bucket_priorities
 
@@ -190,6 +191,11 @@ def test_buckets_reach_the_router_and_without_it_the_engines():
     assert arg(engine(build(svc({"buckets": BUCKETS, "router": {"enabled": False}}))), "--bucket-priorities") == \
         "chat=0,doc=5"
     assert bucket_priorities([Bucket.model_validate(b) for b in BUCKETS]) == "chat=0,doc=5"
+    # and the TPOT targets that bound their steps' prompt work, through the engine's own parser
+    direct = engine(build(svc({"buckets": [{"name": "chat", "slo": {"tpotMs": 40}}, *BUCKETS[1:]],
+                               "router": {"enabled": False}})))
+    assert EngineConfig(bucket_tpot_ms=arg(direct, "--bucket-tpot-ms")).bucket_tpot_map() == {"chat": 0.04}
+    assert "--bucket-tpot-ms" not in engine(build(svc({"buckets": BUCKETS, "router": {"enabled": False}})))["args"]
 
 
 def test_buckets_from_a_policy_when_the_spec_has_none():

@@ -17,6 +17,9 @@ ROLES = (UNIFIED, PREFILL, DECODE)  # the engine roles: `slofleet serve --role`,
 # -- HTTP headers --------------------------------------------------------------------------------------------
 BUCKET_HEADER = "x-slofleet-bucket"  # the request's bucket, set by the router (or a client calling an engine)
 PREFILL_HEADER = "x-slofleet-prefill-url"  # router -> decode engine: pull this prompt's KV from that prefill engine
+# router -> engine: the request's bucket's TPOT target in ms, which bounds the prompt work of the steps it decodes in
+# (so a bucket's SLO edit reaches the engines without rolling them); honoured from the internal token's holders only
+TPOT_HEADER = "x-slofleet-tpot-ms"
 REPLICA_HEADER = "x-slofleet-replica"  # router -> client (debugging): which replica answered
 # The per-LLMService internal token (a Secret the operator creates): the router and the engines read it from this
 # environment variable, and every router -> engine and engine -> engine request carries it as

@@ -45,6 +45,9 @@ class EngineConfig:
     speculative_buckets: str = own("", "buckets whose requests draft, comma-separated (default: all, when "
                                    "--num-speculative-tokens > 0)")
     bucket_priorities: str = own("", "default priority per bucket, e.g. 'chat=0,doc=5' (lower runs first)")
+    bucket_tpot_ms: str = own("", "TPOT target per bucket in ms, e.g. 'chat=50,doc=400': while requests of these "
+                              "buckets decode, a step adds only the prompt tokens its fitted step cost says fit in "
+                              "the tightest target")
     cuda_graphs: bool = own(True, "replay captured CUDA graphs for decode batches (GPU only)")
     num_threads: int = own(0, "torch CPU threads (0: follow the container's CPU quota)")
     seed: int = own(0, "global seed for requests without their own")
@@ -57,15 +60,33 @@ class EngineConfig:
         if problems:
             raise ValueError("; ".join(problems))
         self.bucket_priority_map()
+        self.bucket_tpot_map()
 
     def bucket_priority_map(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for item in filter(None, (s.strip() for s in self.bucket_priorities.split(","))):
-            name, _, prio = item.partition("=")
-            if not prio.lstrip("-").isdigit():
-                raise ValueError(f"bucket_priorities item {item!r} must look like name=int")
-            out[name.strip()] = int(prio)
-        return out
+        return {k: int(v) for k, v in by_bucket(self.bucket_priorities, "bucket_priorities", "int").items()}
+
+    def bucket_tpot_map(self) -> dict[str, float]:
+        """Seconds per output token, by bucket."""
+        return {k: v / 1000 for k, v in by_bucket(self.bucket_tpot_ms, "bucket_tpot_ms", "positive number").items()}
+
+    def buckets(self) -> set[str]:
+        """The buckets this engine was told of, by any setting: its metrics' bucket labels."""
+        return set(self.bucket_priority_map()) | set(self.bucket_tpot_map())
+
+
+def by_bucket(text: str, what: str, kind: str) -> dict[str, float]:
+    """'a=1,b=2' as {'a': 1.0, 'b': 2.0}; an int kind takes whole numbers only, a positive one numbers above 0."""
+    out: dict[str, float] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, value = (x.strip() for x in item.partition("="))
+        try:
+            number = int(value) if kind == "int" else float(value)
+        except ValueError:
+            number = None
+        if not name or number is None or (kind != "int" and not (0 < number < math.inf)):
+            raise ValueError(f"{what} item {item!r} must look like name={kind}")
+        out[name] = number
+    return out
 
 
 def cpu_quota_threads() -> int:

@@ -72,7 +72,7 @@ class LLMEngine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.sampler = Sampler(self.eos_ids, config.seed)
         self.spec = Speculator(config.num_speculative_tokens, config.speculative_ngram, config.speculative_buckets)
-        self.bucket_priorities = config.bucket_priority_map()
+        self.bucket_priorities, self.bucket_tpot = config.bucket_priority_map(), config.bucket_tpot_map()
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, Detokenizer] = {}
         self.inbox: deque[Request] = deque()
@@ -98,11 +98,13 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int | None = None, bucket: str = "default", deadline_s: float | None = None,
-                    export_kv: bool = False, kv: KVPayload | None = None) -> Request:
+                    export_kv: bool = False, kv: KVPayload | None = None, tpot: float | None = None) -> Request:
         """Validate and queue a request. InvalidRequest: bad input (400); AdmissionError: overloaded (429);
         UpstreamError: kv does not fit this engine (502).
         export_kv: stop after the first token and attach the prompt's KV (prefill role).
-        kv: continue from another engine's prefill instead of computing the prompt (decode role)."""
+        kv: continue from another engine's prefill instead of computing the prompt (decode role).
+        tpot: its bucket's TPOT target in seconds (default: --bucket-tpot-ms), which bounds the prompt work of steps
+        it decodes in."""
         params = params or SamplingParams()
         hashes: list[bytes] = []
         if kv is not None:
@@ -132,7 +134,7 @@ class LLMEngine:
         req = Request(request_id=request_id or f"req-{next(_ids)}", prompt_token_ids=ids, params=params,
                       max_tokens=1 if export_kv else max_tokens, priority=priority, bucket=bucket,
                       deadline=None if deadline_s is None else time.monotonic() + deadline_s, export_kv=export_kv,
-                      imported=kv, block_hashes=hashes)
+                      imported=kv, block_hashes=hashes, tpot=self.bucket_tpot.get(bucket) if tpot is None else tpot)
         self.inbox.append(req)
         return req
 
@@ -249,8 +251,10 @@ class LLMEngine:
         st.steps += 1
         st.tokens_scheduled += sched.num_tokens
         st.max_tokens_in_step = max(st.max_tokens_in_step, sched.num_tokens)
+        step_prompt = 0
         for req, n in sched.scheduled:
             prompt = max(0, min(req.num_prompt_tokens, req.num_computed_tokens + n) - req.num_computed_tokens)
+            step_prompt += prompt
             st.prompt_tokens_computed += prompt
             req.num_prompt_computed += prompt
             if prompt:
@@ -266,7 +270,7 @@ class LLMEngine:
             outputs += self._postprocess(reqs, kept, kept_lps)
             self.spec.settle(self.kv, reqs)
         seconds = time.monotonic() - t0
-        self.scheduler.recent_steps.append(seconds)
+        self.scheduler.observe(len(sched.scheduled), step_prompt, seconds)
         self.last_step = StepRecord(seconds=seconds, num_tokens=sched.num_tokens, num_decodes=decodes,
                                     num_requests=len(sched.scheduled), num_generated=sum(map(len, kept)))
         for req, _ in sched.scheduled:  # each request's share of the step, for cost attribution

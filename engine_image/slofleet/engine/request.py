@@ -50,6 +50,7 @@ class Request:
     priority: int = 0
     bucket: str = "default"
     deadline: float | None = None  # time.monotonic() by which it must be scheduled
+    tpot: float | None = None  # seconds per output token its bucket targets: bounds the prompt work beside it
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

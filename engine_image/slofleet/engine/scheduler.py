@@ -4,7 +4,8 @@ B_{t+1} = (B_t minus finished) plus admitted. Decodes are served first (one toke
 (chunks of running prefills and new admissions) in (priority, deadline, arrival) order while budget,
 sequence slots and blocks last, never mixing prompt work of two priorities in one step; a prompt larger
 than the remaining budget is prefilled in chunks. When the KV pool runs short the lowest-priority running
-request is preempted (blocks freed, recomputed later).
+request is preempted (blocks freed, recomputed later). Where buckets have TPOT targets, the prompt work a step adds
+is bounded by what the engine's fitted step cost (step_cost.py) says fits in the tightest target of its decodes.
 """
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from .config import EngineConfig
 from .errors import AdmissionError
 from .kv_cache_manager import KVCacheManager
 from .request import Event, Request, Status
+from .step_cost import StepCost
 
 STARVATION_S = 10.0  # see schedule(): the longest a request waits behind more urgent ones
+MIN_PROMPT_CHUNK = 32  # prompt tokens a step may always add, whatever the TPOT targets of its decodes
 
 
 @dataclass(slots=True, kw_only=True)
@@ -41,6 +44,7 @@ class Scheduler:
         self.preemptions_by_bucket: dict[str, int] = {}
         self.admission_refusals = 0
         self.recent_steps: deque[float] = deque(maxlen=32)  # step durations, for Retry-After
+        self.cost = StepCost()
 
     # -- queue ---------------------------------------------------------------------------
     @property
@@ -77,6 +81,18 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def observe(self, seqs: int, prompt_tokens: int, seconds: float) -> None:
+        """A step's size and duration: for Retry-After and the step-cost model."""
+        self.recent_steps.append(seconds)
+        self.cost.observe(seqs, prompt_tokens, seconds)
+
+    def prompt_budget(self, budget: int, decodes: list[Request]) -> int:
+        """The step's budget left for prompt work, bounded so the step ends within the tightest TPOT target of
+        its decodes; at least MIN_PROMPT_CHUNK, so prompts still make progress under any target."""
+        targets = [r.tpot for r in decodes if r.tpot is not None]
+        cap = self.cost.prompt_budget(len(decodes) + 1, min(targets)) if targets else None
+        return budget if cap is None else min(budget, max(MIN_PROMPT_CHUNK, cap))
 
     # -- one step ------------------------------------------------------------------------
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
@@ -146,6 +162,7 @@ class Scheduler:
                 budget -= 1
         budget = self._extend_drafts(out, budget)
 
+        budget = self.prompt_budget(budget, [r for r, _ in out.scheduled])
         now = time.monotonic()
         for req in [r for r in self.waiting if r.deadline is not None and r.deadline < now]:
             self.waiting.remove(req)

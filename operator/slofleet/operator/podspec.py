@@ -57,6 +57,10 @@ def bucket_priorities(buckets: list[Bucket]) -> str:
     return ",".join(f"{b.name}={b.priority}" for b in buckets)
 
 
+def bucket_tpots(buckets: list[Bucket]) -> str:
+    return ",".join(f"{b.name}={b.slo.tpot_ms}" for b in buckets if b.slo is not None and b.slo.tpot_ms)
+
+
 def model_arg(svc: LLMService) -> str:
     m = svc.spec.model
     # The embedded model is addressed by name; the others are files under the weights volume.
@@ -81,10 +85,12 @@ def serve_args(svc: LLMService, role: str, buckets: list[Bucket]) -> list[str]:
             *flag("price_per_hour", e.price_per_hour)]
     for name in ENGINE_SETTINGS:
         args += flag(name, getattr(e, name))
-    # Behind the router every request comes with its bucket's priority, so the engines need the buckets only when
-    # clients call them directly: a bucket edit then reaches the router and autoscaler without rolling the engines.
+    # Behind the router every request comes with its bucket's priority and TPOT target, so the engines need the
+    # buckets only when clients call them directly: a bucket edit then reaches the router and autoscaler without
+    # rolling the engines.
     if buckets and not svc.spec.router.enabled:
         args += ["--bucket-priorities", bucket_priorities(buckets)]
+        args += ["--bucket-tpot-ms", bucket_tpots(buckets)] if bucket_tpots(buckets) else []
     # A gateway in the router's place (router off, its namespace named: the one source besides the service's own
     # pods that the engines' NetworkPolicy admits) sends no internal token; it still guards KV hand-off and drain.
     if not svc.spec.router.enabled and svc.spec.network.gateway_namespace:

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from slofleet.api.contract import BUCKET_HEADER, KV_MAC_HEADER, PREFILL_HEADER
+from slofleet.api.contract import BUCKET_HEADER, KV_MAC_HEADER, PREFILL_HEADER, TPOT_HEADER
 from slofleet.tracing.core import Tracing
 
 from ..config import EngineConfig
@@ -32,7 +32,7 @@ from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
 from .collector import DEFAULT_BUCKET, BucketLabels
 from .handoff import fetch_kv, is_loopback, mac, peer_base
-from .http import ApiError, from_engine, parse, read_body, unavailable
+from .http import ApiError, from_engine, parse, read_body, seconds_of_ms, unavailable
 from .kv_events import KVEventPublisher
 from .lifecycle import drain, for_role
 from .metrics import Metrics
@@ -52,7 +52,7 @@ class State:
 
     def __init__(self, config: EngineConfig, settings: ServerSettings):
         self.config, self.settings = config, settings
-        self.buckets = BucketLabels(set(config.bucket_priority_map()))
+        self.buckets = BucketLabels(config.buckets())
         self.engine: LLMEngine | None = None
         self.async_engine: AsyncEngine | None = None
         self.metrics: Metrics | None = None
@@ -153,7 +153,8 @@ async def start(request: Request, body: SamplingFields, prompt: Callable[[LLMEng
         kv = None
         if request.headers.get(PREFILL_HEADER):
             kv = await handoff(request, engine, engine.tokenize(ids_or_text), sampling)
-        req, queue = state.async_engine.add(ids_or_text, sampling, rid, body.priority, bucket_of(request), kv=kv)
+        req, queue = state.async_engine.add(ids_or_text, sampling, rid, body.priority, bucket_of(request), kv=kv,
+                                            tpot=tpot_of(request))
         request.state.engine_request = req  # for its trace
     except AdmissionError as e:
         state.metrics.refused(bucket_of(request))
@@ -170,6 +171,12 @@ async def handoff(request: Request, engine: LLMEngine, ids: list[int], sampling:
     base = peer_base(request.headers[PREFILL_HEADER], allow_loopback=is_loopback(settings.host))
     with handoff_span(request.state, base) as headers:
         return await fetch_kv(base, ids, sampling, settings.internal_token, engine.kv_payload_bytes(len(ids)), headers)
+
+
+def tpot_of(request: Request) -> float | None:
+    """The TPOT target the router sent; None (the engine's own for the bucket) from anyone else."""
+    trusted = request.state.internal or not state_of(request).settings.internal_token
+    return seconds_of_ms(request.headers.get(TPOT_HEADER)) if trusted else None
 
 
 def bucket_of(request: Request) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Any
 
 from fastapi import Request
@@ -85,3 +86,12 @@ def parse(raw: bytes, model: type[BaseModel]) -> Any:
         return model.model_validate(data)
     except ValidationError as e:
         raise ApiError(400, error_text(e)) from None
+
+
+def seconds_of_ms(value: str | None) -> float | None:
+    """A header's milliseconds in seconds; None unless a positive finite number (a bad hint is ignored, not fatal)."""
+    try:
+        ms = float(value or "")
+    except ValueError:
+        return None
+    return ms / 1000 if 0 < ms < math.inf else None
