@@ -1,5 +1,5 @@
-"""The router: a raw ASGI app in front of the engines (raw ASGI and an aiohttp client because every
-microsecond here is added to every request's time to first byte).
+"""The router: a raw ASGI app in front of the engines (raw ASGI and its own HTTP/1.1 client, http1.py, because
+every microsecond here is added to every request's time to first byte, and to every streamed chunk).
 
 A generation request passes: auth (401) -> size limits (413) -> validation of what quotas charge (400) ->
 per-key quota (429) -> bucket classification -> admission and shedding by priority (429) -> replica choice ->
@@ -39,6 +39,7 @@ from .balancer import Balancer
 from .buckets import Admission, Bucket, Classifier
 from .debug import debug_traces
 from .gateway import GatewayError, KeyStore, Quotas
+from .http1 import Pool
 from .metrics import RouterMetrics
 from .replicas import ReplicaSet
 from .upstream import GENERATE, RETRYABLE, SERVING, Upstream
@@ -128,8 +129,8 @@ class Router:
                 self.session = aiohttp.ClientSession(
                     connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True), auto_decompress=False,
                     timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout),
-                    headers=internal_auth())  # on every request to an engine; a client's own is never sent
-                self.upstream.session = self.session
+                    headers=internal_auth())  # /v1/models and trace look-ups; a client's own is never sent
+                self.upstream.pool = Pool(self.cfg.connect_timeout, internal_auth())  # generation requests
                 self.tasks = [asyncio.create_task(self.replicas.run()), asyncio.create_task(self.reload_keys())]
                 if self.balancer.precise is not None:
                     self.tasks.append(asyncio.create_task(self.balancer.precise.subscriptions.start()))
@@ -138,6 +139,7 @@ class Router:
                 for t in self.tasks:
                     t.cancel()
                 await self.session.close()
+                self.upstream.pool.close()
                 self.tracing.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

@@ -29,6 +29,7 @@ from slofleet.tracing.core import CLIENT, RequestTrace, attributes
 
 from .balancer import Balancer
 from .buckets import Classifier, Ticket
+from .http1 import Pool
 from .metrics import RouterMetrics
 from .replicas import ReplicaSet
 from .wire import error_body, respond, sse_error
@@ -46,7 +47,7 @@ class Upstream:
                  metrics: RouterMetrics):
         self.cfg, self.replicas, self.balancer, self.classifier = cfg, replicas, balancer, classifier
         self.metrics = metrics
-        self.session: aiohttp.ClientSession | None = None  # the Router's, opened at startup
+        self.pool: Pool | None = None  # the Router's, opened at startup
         self.draining = False  # set on SIGTERM: a stream cancelled from then on is one the grace period cut
 
     async def hold(self, bucket: str, deadline: float) -> bool:
@@ -68,15 +69,15 @@ class Upstream:
     async def first_chunk(self, url: str, path: str, payload: bytes, headers: dict) -> tuple:
         """POST and read up to the first token: (response, first chunk), or the whole (small JSON) body of an
         error status."""
-        resp = await self.session.post(url + path, data=payload, headers=headers)
+        resp = await self.pool.post(url, path, payload, headers)
         try:
             if resp.status >= 400:
                 return resp, await resp.read()
-            first = await resp.content.readany()
+            first = await resp.readany()
             if path == GENERATE[1] and b'"role"' in first and first.count(b"\n\n") == 1:
                 # a chat stream opens with a role-only event before any token: hold it back until the first
                 # token, so a replica that fails during prefill is still retried elsewhere
-                first += await resp.content.readany()
+                first += await resp.readany()
             return resp, first
         except BaseException:
             resp.close()
@@ -154,16 +155,12 @@ class Upstream:
                 self.observe_try(name, span, first_try, resp)
                 span.set_attributes(attributes({"route": route, "status": resp.status}))
                 return replica, resp, first, span, (time.time_ns() - span.start_time) / 1e9
-            except aiohttp.ClientError as e:  # its connect timeout too: a dead replica, not a slow one
-                outcome = "failed"
-                self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
-                last = (502, error_body(502, f"replica failed before answering: {type(e).__name__}", "bad_gateway"))
             except asyncio.TimeoutError:  # busy, maybe not dead: it stays in rotation, the budget is spent
                 outcome = "timeout"
                 last = (504, error_body(504, f"no replica started answering within {self.cfg.ttfb_timeout:g} s",
                                         "gateway_timeout"))
                 break
-            except OSError as e:
+            except OSError as e:  # its connect timeout too (a ConnectionError): a dead replica, not a slow one
                 outcome = "failed"
                 self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
                 last = (502, error_body(502, f"replica failed before answering: {type(e).__name__}", "bad_gateway"))
@@ -217,16 +214,13 @@ class Upstream:
             self.metrics.ttfb.labels(name).observe(ttfb)
             self.metrics.phase.labels(name, "own").observe(max(0.0, ttfb - waited))
             self.metrics.requests.labels(name, str(resp.status)).inc()
-            if resp.connection is not None:  # None once the whole answer is in
-                # aiohttp's own read timer, re-armed on every byte received: no timer per chunk here
-                resp.connection.protocol.read_timeout = self.cfg.idle_timeout
-                resp.connection.protocol.start_timeout()
-            async for chunk in resp.content.iter_any():
+            resp.watch(self.cfg.idle_timeout)
+            async for chunk in resp.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 last, chunks = chunk, chunks + 1
             await send({"type": "http.response.body", "body": b""})
             done = True
-        except asyncio.TimeoutError:  # aiohttp's read timer: the replica went quiet (it stays in rotation)
+        except asyncio.TimeoutError:  # the idle timer (resp.watch): the replica went quiet (it stays in rotation)
             cut = ("idle_timeout", 504, f"the replica sent nothing for {self.cfg.idle_timeout:g} s", "gateway_timeout")
         except RETRYABLE as e:  # after the first byte nothing can be retried: end the response
             self.replicas.mark_failed(replica, str(e))

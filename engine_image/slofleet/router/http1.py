@@ -1,0 +1,216 @@
+"""The router's HTTP/1.1 client for generation requests: kept-alive connections per replica, a request head
+written in one piece, and the answer parsed by httptools (C) with its body chunks handed over as the bytes that
+arrived. aiohttp did the same at several times the CPU per request and per chunk (its request builder, stream
+reader and a read timer re-armed on every chunk); at 1,000 open streams that was most of the router's time.
+
+Failures are OSErrors (a refused or timed-out connect, a connection lost or a malformed answer): the caller takes
+the replica out and retries elsewhere. `asyncio.TimeoutError` only ever means the idle timer of `watch`."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import urllib.parse
+
+import httptools
+
+HIGH_WATER = 1 << 18  # bytes buffered from a replica before reading from it pauses (a client slower than the engine)
+
+
+class Conn(asyncio.Protocol):
+    """One connection to a replica, carrying one request at a time."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.reset()
+        self.lost: Exception | None = None
+        self.home: dict[Conn, None] | None = None  # the pool's idle set while it waits there
+
+    def reset(self) -> None:
+        self.status, self.raw_headers, self.head_done, self.complete, self.keep_alive = 0, [], False, False, False
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered, self.paused, self.got_any, self.last_byte = 0, False, False, 0.0
+        self.waiter: asyncio.Future | None = None
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def connection_made(self, transport) -> None:
+        self.transport, self.loop = transport, asyncio.get_running_loop()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = exc or ConnectionResetError("the replica closed the connection")
+        if self.home is not None:  # closed while idle (the replica's keep-alive timeout)
+            self.home.pop(self, None)
+        self.wake()
+
+    def data_received(self, data: bytes) -> None:
+        self.got_any = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self.lost = ConnectionError(f"malformed answer from the replica: {e}")
+            self.transport.abort()
+            self.wake()
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status, self.head_done = self.parser.get_status_code(), True
+        self.wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        self.last_byte = self.loop.time()
+        if self.buffered > HIGH_WATER and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        self.wake()
+
+    def on_message_complete(self) -> None:
+        self.complete, self.keep_alive = True, self.parser.should_keep_alive()  # asked now: the parser then resets
+        self.wake()
+
+    async def wait(self) -> None:
+        if self.lost is not None:
+            raise self.lost
+        self.waiter = self.loop.create_future()
+        await self.waiter
+        self.waiter = None
+
+
+class Response:
+    def __init__(self, pool: Pool, key: tuple, conn: Conn):
+        self.pool, self.key, self.conn = pool, key, conn
+        self.status, self.raw_headers = conn.status, conn.raw_headers
+        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in conn.raw_headers}
+        self.content_type = self.headers.get("content-type", "").partition(";")[0].strip().lower()
+        self.timer: asyncio.TimerHandle | None = None
+
+    async def readany(self) -> bytes:
+        """The body bytes arrived since the last call (waiting for some), b"" once the body is over."""
+        c = self.conn
+        while not c.chunks:
+            if c.complete:
+                return b""
+            await c.wait()
+        data = c.chunks.popleft() if len(c.chunks) == 1 else b"".join(c.chunks)
+        c.chunks.clear()
+        c.buffered = 0
+        if c.paused:  # the client caught up: the replica's silence counts from now
+            c.paused, c.last_byte = False, c.loop.time()
+            c.transport.resume_reading()
+        return data
+
+    async def read(self) -> bytes:
+        parts = []
+        while chunk := await self.readany():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def iter_any(self):
+        while chunk := await self.readany():
+            yield chunk
+
+    def watch(self, idle: float) -> None:
+        """From now on, `idle` seconds without a body byte end the reading with asyncio.TimeoutError: one timer
+        that wakes when the silence would reach `idle` since the last byte, not a timer re-armed on every chunk.
+        While reading is paused for a slow client, the replica is not the one idle."""
+        loop = asyncio.get_running_loop()
+        c = self.conn
+        c.last_byte = max(c.last_byte, loop.time())
+
+        def check() -> None:
+            if self.conn is None or c.complete or c.lost is not None:
+                return
+            left = idle if c.paused else c.last_byte + idle - loop.time()
+            if left > 0:
+                self.timer = loop.call_later(left, check)
+                return
+            c.lost = asyncio.TimeoutError()
+            c.wake()
+
+        self.timer = loop.call_later(idle, check)
+
+    def release(self) -> None:
+        """Done with it: a complete answer's connection goes back to the pool, any other is closed (the replica
+        sees the disconnect and aborts the request)."""
+        if self.timer is not None:
+            self.timer.cancel()
+        c, self.conn = self.conn, None
+        if c is None:
+            return
+        if c.complete and not c.chunks and c.lost is None and c.keep_alive:
+            c.reset()
+            c.home = self.pool.idle[self.key]
+            c.home[c] = None
+        else:
+            c.transport.abort()
+
+    close = release  # an incomplete answer is closed either way
+
+
+class Pool:
+    """Kept-alive connections per replica, as many as requests in flight to it (no cap: a cap would queue
+    streams behind each other)."""
+
+    def __init__(self, connect_timeout: float, headers: dict[str, str]):
+        self.connect_timeout = connect_timeout
+        self.fixed = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.idle: collections.defaultdict[tuple, dict[Conn, None]] = collections.defaultdict(dict)
+        self.targets: dict[str, tuple[tuple, str]] = {}
+
+    def target(self, url: str) -> tuple[tuple, str]:
+        """((host, port), host header) of a replica's URL; engines serve plain HTTP."""
+        found = self.targets.get(url)
+        if found is None:
+            u = urllib.parse.urlsplit(url)
+            if u.scheme != "http" or not u.hostname:
+                raise ConnectionError(f"not an http://host:port replica URL: {url}")
+            found = self.targets[url] = ((u.hostname, u.port or 80), u.netloc)
+        return found
+
+    async def connect(self, key: tuple) -> Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(loop.create_connection(Conn, key[0], key[1]), self.connect_timeout)
+        except asyncio.TimeoutError:
+            raise ConnectionError(f"connecting to {key[0]}:{key[1]} took over {self.connect_timeout:g} s") from None
+        return conn
+
+    async def post(self, url: str, path: str, body: bytes, headers: dict[str, str]) -> Response:
+        """Send the request, wait for the answer's status and headers."""
+        key, netloc = self.target(url)
+        head = (f"POST {path} HTTP/1.1\r\nhost: {netloc}\r\ncontent-length: {len(body)}\r\n{self.fixed}"
+                + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode("latin-1")
+        idle = self.idle[key]
+        if idle:
+            conn, _ = idle.popitem()  # the most recently used
+            conn.home = None
+            try:
+                return await self.send(key, conn, head, body)
+            except OSError:
+                if conn.got_any:  # it answered something: a real failure, not a kept-alive connection gone
+                    raise
+                # the replica closed it as we wrote (its keep-alive timeout): the request never reached it
+        return await self.send(key, await self.connect(key), head, body)
+
+    async def send(self, key: tuple, conn: Conn, head: bytes, body: bytes) -> Response:
+        conn.transport.write(head + body)
+        try:
+            while not conn.head_done:
+                await conn.wait()
+        except BaseException:
+            conn.transport.abort()
+            raise
+        return Response(self, key, conn)
+
+    def close(self) -> None:
+        for conns in self.idle.values():
+            for c in list(conns):
+                c.transport.abort()
+        self.idle.clear()
