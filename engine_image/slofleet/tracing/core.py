@@ -16,11 +16,11 @@ from collections import OrderedDict, deque
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from slofleet.api.contract import REQUEST_ID_HEADER
@@ -68,31 +68,44 @@ def traces_url(endpoint: str) -> str:
 
 
 SCOPE = InstrumentationScope("slofleet")
-UNSET = Status(StatusCode.UNSET)
+UNSET, ERROR = Status(StatusCode.UNSET), Status(StatusCode.ERROR)
+SAMPLED = TraceFlags(TraceFlags.SAMPLED)  # every request is sampled (see above)
 
 
-class Child:
-    """A span under a request's root at the cost of a few stores: its ReadableSpan is made only as it ends. The
-    SDK's own Span (a sampler call, a lock, bounded attribute and event lists, processors on start) costs ~15 us,
-    and the router opens half a dozen per request on its hot path. Attribute values: str, int, float, bool."""
-    __slots__ = ("trace", "name", "context", "parent", "kind", "start_time", "end_time", "attributes")
+class LeanSpan:
+    """A span at the cost of a few stores: its ReadableSpan is made only as it ends, and goes straight to the span
+    processors. The SDK's own Span (a sampler call, a lock, bounded attribute, event and link lists, processors on
+    start) costs ~15 us, and the router makes half a dozen per request on its hot path. Attribute values: str,
+    int, float, bool."""
+    __slots__ = ("trace", "name", "context", "parent", "kind", "start_time", "end_time", "attributes", "events",
+                 "status")
 
-    def __init__(self, rt: RequestTrace, name: str, parent: SpanContext, kind: SpanKind, start_ns: int | None,
-                 attrs: dict):
-        self.trace, self.name, self.parent, self.kind, self.attributes = rt, name, parent, kind, attrs
-        self.context = SpanContext(parent.trace_id, rt.tracer.id_generator.generate_span_id(), False,
-                                   parent.trace_flags, parent.trace_state)
-        self.start_time, self.end_time = start_ns or time.time_ns(), None
+    def __init__(self, rt: RequestTrace, name: str, context: SpanContext, parent: SpanContext | None, kind: SpanKind,
+                 start_ns: int | None, attrs: dict):
+        self.trace, self.name, self.context, self.parent, self.kind = rt, name, context, parent, kind
+        self.start_time, self.end_time, self.attributes = start_ns or time.time_ns(), None, attrs
+        self.events: list[Event] = []
+        self.status = UNSET
+
+    def set_attribute(self, key: str, value) -> None:
+        self.attributes[key] = value
 
     def set_attributes(self, attrs: dict) -> None:
         self.attributes.update(attrs)
 
+    def set_status(self, status: Status) -> None:
+        self.status = status
+
+    def add_event(self, name: str, attributes: dict | None = None, timestamp: int | None = None) -> None:
+        self.events.append(Event(name, attributes, timestamp or time.time_ns()))
+
     def end(self, end_time: int | None = None) -> None:
         if self.end_time is None:  # once, as the SDK's
             self.end_time = end_time or time.time_ns()
-            self.trace.tracer.span_processor.on_end(ReadableSpan(
-                self.name, self.context, self.parent, self.trace.tracer.resource, self.attributes, kind=self.kind,
-                status=UNSET, start_time=self.start_time, end_time=self.end_time, instrumentation_scope=SCOPE))
+            tracer = self.trace.tracer
+            tracer.span_processor.on_end(ReadableSpan(
+                self.name, self.context, self.parent, tracer.resource, self.attributes, self.events, kind=self.kind,
+                status=self.status, start_time=self.start_time, end_time=self.end_time, instrumentation_scope=SCOPE))
 
 
 class RequestTrace:
@@ -101,24 +114,33 @@ class RequestTrace:
     def __init__(self, tracer: trace.Tracer, method: str, path: str, carrier: dict[str, str], rid: str,
                  start_ns: int | None, attrs: dict):
         self.tracer, self.request_id = tracer, rid
-        self.root = tracer.start_span(f"{method} {path}", PROPAGATOR.extract(carrier), SpanKind.SERVER,
-                                      start_time=start_ns, attributes={"http.request.method": method, "url.path": path,
-                                                                       REQUEST_ID_ATTR: rid, **attributes(attrs)})
-        self.context = self.root.get_span_context()
+        parent = None
+        if "traceparent" in carrier:
+            parent = trace.get_current_span(PROPAGATOR.extract(carrier)).get_span_context()
+        if parent is not None and parent.is_valid:  # its trace goes on, whatever its sampled flag says
+            trace_id, state = parent.trace_id, parent.trace_state
+        else:
+            parent, trace_id, state = None, tracer.id_generator.generate_trace_id(), None
+        self.context = SpanContext(trace_id, tracer.id_generator.generate_span_id(), False, SAMPLED, state)
+        self.root = LeanSpan(self, f"{method} {path}", self.context, parent, SpanKind.SERVER, start_ns,
+                             {"http.request.method": method, "url.path": path, REQUEST_ID_ATTR: rid,
+                              **attributes(attrs)})
 
     @property
     def start_ns(self) -> int:
         return self.root.start_time
 
-    def span(self, name: str, start_ns: int | None = None, end_ns: int | None = None, parent: Child | None = None,
-             kind: SpanKind = INTERNAL, **kw) -> Child:
+    def span(self, name: str, start_ns: int | None = None, end_ns: int | None = None,
+             parent: LeanSpan | None = None, kind: SpanKind = INTERNAL, **kw) -> LeanSpan:
         """A child of the root (or of `parent`), ended at end_ns when one is given."""
-        s = Child(self, name, self.context if parent is None else parent.context, kind, start_ns, attributes(kw))
+        up = self.context if parent is None else parent.context
+        ctx = SpanContext(up.trace_id, self.tracer.id_generator.generate_span_id(), False, SAMPLED, up.trace_state)
+        s = LeanSpan(self, name, ctx, up, kind, start_ns, attributes(kw))
         if end_ns is not None:
             s.end(end_ns)
         return s
 
-    def headers(self, span: Child | None = None) -> dict[str, str]:
+    def headers(self, span: LeanSpan | None = None) -> dict[str, str]:
         """traceparent (and tracestate) naming `span` (default: the root) as the parent of a request it sends (the
         W3C format, as the propagator writes it)."""
         ctx = self.context if span is None else span.context
@@ -131,9 +153,9 @@ class RequestTrace:
         if status is not None:
             self.root.set_attribute("http.response.status_code", status)
             if status >= 500:
-                self.root.set_status(Status(StatusCode.ERROR))
+                self.root.set_status(ERROR)
         self.root.set_attributes(attributes(kw))
-        self.root.end(end_time=end_ns)
+        self.root.end(end_ns)
 
 
 class Tracing:

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from slofleet.api.contract import REQUEST_ID_HEADER, SERVER_TIMING_HEADER, error_body
-from slofleet.tracing.core import CLIENT, Child, RequestTrace, Tracing, request_id_of, with_request_id
+from slofleet.tracing.core import CLIENT, LeanSpan, RequestTrace, Tracing, request_id_of, with_request_id
 
 from ..request import Event, Request
 
@@ -105,7 +105,7 @@ def summary(req: Request) -> dict:
             "finish_reason": None if req.finish_reason is None else str(req.finish_reason)}
 
 
-def lifecycle_spans(rt: RequestTrace, req: Request, end_ns: int, handoff: Child | None) -> None:
+def lifecycle_spans(rt: RequestTrace, req: Request, end_ns: int, handoff: LeanSpan | None) -> None:
     """The request's phases from its lifecycle events (monotonic seconds, placed on the wall clock here)."""
     events = list(req.events)  # the engine thread may still append (an abort being processed)
     offset = time.time_ns() - int(time.monotonic() * 1e9)
