@@ -140,6 +140,7 @@ def test_padding_rows_are_inert(splits):
     [(1, 300), (1, 20), (1, 250), (1, 35), (1, 40), (1, 280)],  # spread lengths
     [(1, 90), (1, 80), (1, 100), (1, 85)],  # close lengths
     [(1, 300), (7, 60), (1, 20), (1, 310), (1, 15)],  # decodes around a prefill chunk
+    [(5, 300), (1, 20), (3, 250), (5, 35), (17, 40), (1, 280), (20, 60), (4, 4)],  # drafts among decodes and prompts
 ])
 def test_torch_oracle_matches_dense_attention(spans, gather_bytes, monkeypatch):
     """The oracle itself, against plain causal attention over each sequence's whole context, gathered slot by slot."""

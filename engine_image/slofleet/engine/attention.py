@@ -41,6 +41,9 @@ class AttentionBackend(Protocol):
 # SDPA reads them. On a 2-core Xeon (2 MiB L2 a core) 1-4 MiB chunks ran decode attention 25-40% faster than one
 # gather of the whole batch at 32-64 sequences of 512 tokens, and as fast at 16 of 128.
 GATHER_BYTES = 1 << 20
+# Rows with at most this many new tokens over a cached context (a decode and its draft, speculative.py) attend in the
+# batched decode chunks, their queries padded to the chunk's longest; longer ones attend one by one.
+SHORT_QUERY = 17
 
 
 class TorchAttention:
@@ -65,15 +68,15 @@ class TorchAttention:
         """
         bs, device = self.block_size, k_cache.device
         qlens, slens = meta.query_lens_host, meta.seq_lens_host
-        decodes = [i for i, q in enumerate(qlens) if q == 1]
+        decodes = [i for i, q in enumerate(qlens) if q == 1 or q <= SHORT_QUERY and q < slens[i]]
         decode_chunks = self._decode_chunks(meta, decodes, len(qlens), k_cache) if decodes else []
         if decode_chunks:
-            rows = max(len(blocks) for _, blocks, _, _ in decode_chunks)
+            rows = max(len(blocks) for _, blocks, _, _, _ in decode_chunks)
             if self.buffers is None or len(self.buffers[0]) < rows or self.buffers[0].dtype != k_cache.dtype:
                 self.buffers = (k_cache.new_empty((rows, *k_cache.shape[1:])),
                                 k_cache.new_empty((rows, *k_cache.shape[1:])))
         prefill_info = []
-        for i in (i for i, q in enumerate(qlens) if q > 1):
+        for i in sorted(set(range(len(qlens))) - set(decodes)):
             start, q, L = int(meta.query_start_loc[i]), qlens[i], slens[i]
             if q == L:  # nothing cached before this chunk: plain causal attention on the new K/V
                 prefill_info.append((start, q, None, None))
@@ -85,9 +88,11 @@ class TorchAttention:
         return {"decode_chunks": decode_chunks, "prefill_info": prefill_info}
 
     def _decode_chunks(self, meta: AttentionMetadata, decodes: list[int], batch: int, k_cache: torch.Tensor) -> list:
-        """(rows, blocks, mask, n) per chunk of decodes. A chunk gathers at most GATHER_BYTES of K and V (or one
-        sequence), each of its rows as many blocks as its longest context: the decodes go in order of length, so
-        short ones pad to short ones. rows is None for one chunk of the whole batch in batch order."""
+        """(rows, blocks, mask, n, valid) per chunk of decodes. A chunk gathers at most GATHER_BYTES of K and V (or
+        one sequence), each of its rows as many blocks as its longest context: the decodes go in order of length, so
+        short ones pad to short ones. rows is None for one chunk of the whole batch in batch order. A chunk with
+        several queries in a row has rows [n, Q] (each row's tokens, its last one repeated up to the chunk's
+        longest Q) and valid [n, Q] (which of them are real); valid is None otherwise."""
         bs, slens = self.block_size, meta.seq_lens_host
         block_bytes = 2 * k_cache[0].numel() * k_cache.element_size()
         nblk = {i: -(-slens[i] // bs) for i in decodes}
@@ -101,16 +106,25 @@ class TorchAttention:
                 else:
                     chunks.append([i])
         out = []
+        device, qlens = k_cache.device, meta.query_lens_host
         for c in chunks:
             width = nblk[c[-1]] if len(chunks) > 1 else max(nblk.values())
-            idx = torch.as_tensor(c, device=k_cache.device)
+            idx = torch.as_tensor(c, device=device)
             blocks = meta.block_tables[idx, :width].reshape(-1).long()
-            pos = torch.arange(width * bs, device=k_cache.device)
-            past = pos[None, :] >= meta.seq_lens[idx].long()[:, None]
+            pos = torch.arange(width * bs, device=device)
+            longest, valid = max(qlens[i] for i in c), None
+            if longest == 1:
+                past = pos[None, :] >= meta.seq_lens[idx].long()[:, None]
+                rows = None if len(c) == batch else meta.query_start_loc[idx].long()
+            else:  # query j of a row of q new tokens sits at seq_len - q + j and sees the positions up to its own
+                q = torch.tensor([qlens[i] for i in c], device=device)[:, None]
+                j = torch.arange(longest, device=device)[None, :]
+                valid, j = j < q, torch.minimum(j, q - 1)
+                rows = meta.query_start_loc[idx].long()[:, None] + j
+                past = pos > (meta.seq_lens[idx].long()[:, None] - q + j)[..., None]
             # additive, in the cache's dtype: SDPA would otherwise convert a boolean mask in every layer
-            mask = k_cache.new_zeros(past.shape).masked_fill_(past, float("-inf"))[:, None, None, :]
-            rows = None if len(c) == batch else meta.query_start_loc[idx].long()
-            out.append((rows, blocks, mask, len(c)))
+            mask = k_cache.new_zeros(past.shape).masked_fill_(past, float("-inf"))
+            out.append((rows, blocks, mask[:, None, None, :] if valid is None else mask[:, None], len(c), valid))
         return out
 
     @staticmethod
@@ -127,9 +141,14 @@ class TorchAttention:
             meta.cache = self._plan(meta, k_cache)
         plan = meta.cache
         out = torch.empty_like(q)
-        for rows, blocks, mask, n in plan["decode_chunks"]:
+        for rows, blocks, mask, n, valid in plan["decode_chunks"]:
             kk = self.gather(k_cache, blocks, n, self.buffers[0]).transpose(1, 2)  # [B, kvh, L, d]
             vv = self.gather(v_cache, blocks, n, self.buffers[1]).transpose(1, 2)
+            if valid is not None:  # several queries a row: [B, h, Q, d]
+                qq = q[rows.reshape(-1)].view(n, -1, *q.shape[1:]).transpose(1, 2)
+                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
+                out[rows[valid]] = o.transpose(1, 2)[valid]
+                continue
             qq = (q if rows is None else q[rows]).unsqueeze(2)  # [B, h, 1, d]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
             if rows is None:
