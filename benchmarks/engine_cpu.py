@@ -14,7 +14,11 @@ reach). The table shows the median tokens/s, the ratio to transformers generate_
 of the limit reached (limit_s of that run's prompts over its time). llama.cpp (llama-cpp-python, sequential, on
 the same GGUF) is included when installed.
 
-    .venv/bin/python benchmarks/engine_cpu.py [--runs 3] [--skip generate generate_batch]
+--speculative K adds LLM(num_speculative_tokens=K) (n-gram drafts) beside LLM() defaults, on this workload and on a
+quoting one (the same notes, each prompt asking for them back word for word; rows marked [quote]), in the same
+rounds, and prints the ratio of the two per workload.
+
+    .venv/bin/python benchmarks/engine_cpu.py [--runs 3] [--skip generate generate_batch] [--speculative 4]
 """
 from __future__ import annotations
 
@@ -36,12 +40,13 @@ PREFILL_FLOP, DECODE_FLOP = 2 * 106.2e6, 2 * 134.5e6  # per prompt token, per sa
 GEMM_SHAPES = {"prefill 2048": 2048, "prefill 512": 512, "decode 16": 16}  # rows of x (576) @ W (576 x 1536)
 
 
-def prompts(seed: int) -> list[str]:
+def prompts(seed: int, quote: bool = False) -> list[str]:
     rng = random.Random(seed)
     lengths = [round(20 + i * (300 - 20) / (N_PROMPTS - 1)) for i in range(N_PROMPTS)]
     rng.shuffle(lengths)
-    return [f"Summarise the following notes (set {seed}) in one sentence: " + " ".join(rng.choice(WORDS) for _ in
-                                                                                        range(n)) for n in lengths]
+    ask = "Repeat the following notes word for word" if quote else "Summarise the following notes"
+    return [f"{ask} (set {seed}){'' if quote else ' in one sentence'}: " + " ".join(rng.choice(WORDS) for _ in
+                                                                                   range(n)) for n in lengths]
 
 
 def log(msg: str) -> None:
@@ -85,9 +90,21 @@ def run_hf_generate_batch(model, ids, _texts) -> int:
     return sum(len(o.generated_tokens) for o in outs.values())
 
 
-def run_slofleet(llm, ids, _texts) -> int:
+# Per slofleet row, per call: engine steps, draft tokens, accepted ones (which the machine's load does not move),
+# and the process's CPU seconds (which other processes on a shared machine move less than its wall time).
+STEPS: dict[str, list[tuple[float, ...]]] = {}
+
+
+def run_slofleet(llm, ids, _texts, name: str = "") -> int:
     from slofleet.engine import SamplingParams
+    engine = llm.engine
+
+    def counts() -> tuple[float, ...]:
+        spec = engine.stats().spec
+        return engine.step_stats.steps, sum(spec.drafted.values()), sum(spec.accepted.values()), time.process_time()
+    before = counts()
     outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True))
+    STEPS.setdefault(name, []).append(tuple(b - a for a, b in zip(before, counts())))
     return sum(len(o.token_ids) for o in outs)
 
 
@@ -127,10 +144,16 @@ def systems(args) -> list[tuple[str, object]]:
         if key not in args.skip:
             llm = LLM(dtype=dtype)
             out.append((f"slofleet LLM(dtype={dtype})", lambda ids, t, e=llm: run_slofleet(e, ids, t)))
-    if "defaults" not in args.skip:
+    if "defaults" not in args.skip or args.speculative:
         llm = LLM()
         name = f"slofleet LLM() defaults ({str(llm.engine.runner.dtype).removeprefix('torch.')})"
-        out.append((name, lambda ids, t, e=llm: run_slofleet(e, ids, t)))
+        out.append((name, lambda ids, t, e=llm, n=name: run_slofleet(e, ids, t, n)))
+    if args.speculative:
+        spec = LLM(num_speculative_tokens=args.speculative)
+        name = f"slofleet LLM(num_speculative_tokens={args.speculative})"
+        out.append((name, lambda ids, t, e=spec, n=name: run_slofleet(e, ids, t, n)))
+        out += [(f"{name} [quote]", lambda ids, t, e=e, n=f"{name} [quote]": run_slofleet(e, ids, t, n))
+                for name, e in ((out[-2][0], llm), (out[-1][0], spec))]
     if "llama.cpp" not in args.skip:
         try:
             from llama_cpp import Llama
@@ -146,29 +169,31 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip", nargs="*", default=[],
                     help="systems to skip: generate, generate_batch, fp32, bf16, defaults, llama.cpp")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="also LLM(num_speculative_tokens=K) beside LLM() defaults, on this and a quoting workload")
     args = ap.parse_args()
     from slofleet.engine import loader
 
     tok = loader.load_tokenizer(loader.resolve("default"))
     seeds = itertools.count()
 
-    def workload() -> tuple[list[list[int]], list[str]]:
-        texts = prompts(next(seeds))
+    def workload(name: str = "") -> tuple[list[list[int]], list[str]]:
+        texts = prompts(next(seeds), quote=name.endswith("[quote]"))
         return chat_ids(tok, texts), texts
 
     ids, _ = workload()
     log(f"workload: {len(ids)} prompts, ~{sum(map(len, ids))} prompt tokens "
         f"({min(map(len, ids))}-{max(map(len, ids))}), {OUT_TOKENS} output tokens each")
     table = systems(args)
-    for _, fn in table:
-        fn(*workload())  # warm-up, not timed, on prompts of its own
+    for name, fn in table:
+        fn(*workload(name))  # warm-up, not timed, on prompts of its own
     rates: dict[str, list[float]] = {name: [] for name, _ in table}
     fractions: dict[str, list[float]] = {name: [] for name, _ in table}
     gemm: list[dict[str, dict[str, float]]] = []
     for i in range(args.runs):
         gemm.append(gemm_rates())
         for name, fn in table:
-            ids, texts = workload()
+            ids, texts = workload(name)
             t0 = time.perf_counter()
             n = fn(ids, texts)
             dt = time.perf_counter() - t0
@@ -187,6 +212,15 @@ def main() -> int:
         rate = statistics.median(r)
         ratio = f"{rate / base:.2f}x" if base else "-"
         print(f"{name:45s} {rate:15.1f} {ratio:>17s} {statistics.median(fractions[name]):9.0%}")
+    if args.speculative:
+        names = [name for name in rates if "LLM() defaults" in name or "num_speculative_tokens" in name]
+        for off, on in (names[:2], names[2:]):
+            steps, cpu = ([statistics.median(x[i] for x in STEPS[n]) for n in (off, on)] for i in (0, 3))
+            drafted, accepted = (sum(x[i] for x in STEPS[on]) for i in (1, 2))
+            print(f"n-gram drafts on / off{' [quote]' if '[quote]' in on else ''}: "
+                  f"{statistics.median(rates[on]) / statistics.median(rates[off]):.2f}x tok/s, "
+                  f"{cpu[0] / cpu[1]:.2f}x tokens per CPU second, engine steps per run {steps[0]:.0f} -> "
+                  f"{steps[1]:.0f}, {accepted / max(1, drafted):.0%} of {drafted:.0f} draft tokens accepted")
     return 0
 
 
