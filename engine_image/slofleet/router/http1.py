@@ -112,10 +112,6 @@ class Response:
             parts.append(chunk)
         return b"".join(parts)
 
-    async def iter_any(self):
-        while chunk := await self.readany():
-            yield chunk
-
     def watch(self, idle: float) -> None:
         """From now on, `idle` seconds without a body byte end the reading with asyncio.TimeoutError: one timer
         that wakes when the silence would reach `idle` since the last byte, not a timer re-armed on every chunk.

@@ -253,20 +253,33 @@ class Router:
         key = self.balancer.key(body.messages, body.prompt, text, self.cfg.affinity_chars)
         self.inflight += 1
         self.metrics.inflight.labels(bucket.name).inc()
-        work = asyncio.ensure_future(self.upstream.forward(send, path, json.dumps(data).encode(), upstream_headers,
-                                                           key, ticket, t0, tokens, rt))
+        # The answer is relayed in this task; a watcher cancels it when the client leaves (closing the upstream
+        # connection aborts the request in the engine). No second task and no asyncio.wait per request.
+        task, relaying, left = asyncio.current_task(), True, False
+
+        def client_left(w: asyncio.Future) -> None:
+            nonlocal left
+            if relaying and not w.cancelled():  # once the answer is complete, a disconnect cancels nothing
+                left = True
+                task.cancel()
+
         watch = asyncio.ensure_future(until_disconnect(receive))
+        watch.add_done_callback(client_left)
         try:
-            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:  # done, the client left, or this task was cancelled (the shutdown's grace period ran out)
+            return await self.upstream.forward(send, path, json.dumps(data).encode(), upstream_headers, key, ticket,
+                                               t0, tokens, rt)
+        except asyncio.CancelledError:
+            if not left:  # cancelled from outside: the shutdown's grace period ran out
+                raise
+            if hasattr(task, "uncancel"):  # Python 3.11+: this task goes on, not cancelled
+                task.uncancel()
+            return None
+        finally:
+            relaying = False
             watch.cancel()
-            if not work.done():
-                work.cancel()  # closing the upstream connection aborts the request in the engine
-            await asyncio.gather(work, return_exceptions=True)
             self.classifier.release(ticket)
             self.inflight -= 1
             self.metrics.inflight.labels(bucket.name).dec()
-        return None if work.cancelled() or work.exception() else work.result()
 
     async def reject(self, send, bucket: Bucket | None, reason: str, status: int, message: str, kind: str,
                      retry_after: int | None = None) -> int:

@@ -90,7 +90,7 @@ class Upstream:
         error body, None, 0) when every try failed. Each try is a CLIENT span whose context the engine continues."""
         tried: set[str] = set()
         bad_prefill: set[str] = set()
-        last: tuple[int, bytes] = (503, error_body(503, "no ready replica to serve this request", "unavailable"))
+        last: tuple[int, bytes] | None = None  # the answer if every try fails (made only then)
         name = ticket.bucket.name
         long_prompt = tokens >= self.cfg.prefill_threshold_tokens
         hold_until, deadline, first_try = time.monotonic() + self.cfg.hold_timeout, None, None
@@ -180,6 +180,8 @@ class Upstream:
             replica.inflight -= 1
             if resp is not None:
                 resp.close()
+        if last is None:
+            last = (503, error_body(503, "no ready replica to serve this request", "unavailable"))
         return None, last[0], last[1], None, 0.0
 
     def observe_try(self, bucket: str, span, first_try: int, resp) -> None:
@@ -215,7 +217,7 @@ class Upstream:
             self.metrics.phase.labels(name, "own").observe(max(0.0, ttfb - waited))
             self.metrics.requests.labels(name, str(resp.status)).inc()
             resp.watch(self.cfg.idle_timeout)
-            async for chunk in resp.iter_any():
+            while chunk := await resp.readany():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 last, chunks = chunk, chunks + 1
             await send({"type": "http.response.body", "body": b""})
