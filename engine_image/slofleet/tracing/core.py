@@ -1,10 +1,10 @@
 """One trace per request across router and engines: the W3C trace context in and out, OpenTelemetry spans, OTLP
 export when an endpoint is given, and the last traces kept in memory for GET /debug/traces (no collector needed).
 
-Each process has its own TracerProvider (never the global one) and samples every request: an LLM request costs far
-more than its dozen spans, and the store must hold the one slow request someone asks about. A caller's traceparent is
-continued (its trace id kept) whatever its sampled flag says. Spans carry timings, counts, ids and replica
-addresses, never prompt or output text."""
+Each process keeps and exports its own spans (never through the global TracerProvider) and samples every request:
+an LLM request costs far more than its dozen spans, and the store must hold the one slow request someone asks about.
+A caller's traceparent is continued (its trace id kept) whatever its sampled flag says. Spans carry timings, counts,
+ids and replica addresses, never prompt or output text."""
 from __future__ import annotations
 
 import re
@@ -13,12 +13,13 @@ import time
 import urllib.parse
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Awaitable
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -47,13 +48,14 @@ def request_id_of(scope) -> str:
 
 
 def with_request_id(send, rid: str):
-    """An ASGI send that puts x-request-id on the response head."""
+    """An ASGI send that puts x-request-id on the response head. A plain function returning send's own awaitable:
+    no coroutine of its own on every streamed chunk."""
     header = (REQUEST_ID_HEADER.encode(), rid.encode())
 
-    async def sender(message) -> None:
+    def sender(message) -> Awaitable[None]:
         if message["type"] == "http.response.start":
             message = {**message, "headers": [*message.get("headers", ()), header]}
-        await send(message)
+        return send(message)
 
     return sender
 
@@ -73,10 +75,10 @@ SAMPLED = TraceFlags(TraceFlags.SAMPLED)  # every request is sampled (see above)
 
 
 class LeanSpan:
-    """A span at the cost of a few stores: its ReadableSpan is made only as it ends, and goes straight to the span
-    processors. The SDK's own Span (a sampler call, a lock, bounded attribute, event and link lists, processors on
-    start) costs ~15 us, and the router makes half a dozen per request on its hot path. Attribute values: str,
-    int, float, bool."""
+    """A span at the cost of a few stores, kept as it is in the in-memory store when it ends; a ReadableSpan is made
+    of it only for an OTLP exporter. The SDK's own Span (a sampler call, a lock, bounded attribute, event and link
+    lists, processors on start and end) costs ~15 us, and the router makes half a dozen per request on its hot path.
+    Attribute values: str, int, float, bool."""
     __slots__ = ("trace", "name", "context", "parent", "kind", "start_time", "end_time", "attributes", "events",
                  "status")
 
@@ -86,6 +88,10 @@ class LeanSpan:
         self.start_time, self.end_time, self.attributes = start_ns or time.time_ns(), None, attrs
         self.events: list[Event] = []
         self.status = UNSET
+
+    @property
+    def resource(self) -> Resource:
+        return self.trace.tracing.resource
 
     def set_attribute(self, key: str, value) -> None:
         self.attributes[key] = value
@@ -102,26 +108,30 @@ class LeanSpan:
     def end(self, end_time: int | None = None) -> None:
         if self.end_time is None:  # once, as the SDK's
             self.end_time = end_time or time.time_ns()
-            tracer = self.trace.tracer
-            tracer.span_processor.on_end(ReadableSpan(
-                self.name, self.context, self.parent, tracer.resource, self.attributes, self.events, kind=self.kind,
-                status=self.status, start_time=self.start_time, end_time=self.end_time, instrumentation_scope=SCOPE))
+            tracing = self.trace.tracing
+            tracing.recent.add(self, self.trace.tid)
+            if tracing.export is not None:
+                tracing.export.on_end(ReadableSpan(
+                    self.name, self.context, self.parent, tracing.resource, self.attributes, self.events,
+                    kind=self.kind, status=self.status, start_time=self.start_time, end_time=self.end_time,
+                    instrumentation_scope=SCOPE))
 
 
 class RequestTrace:
     """One request's spans in this process: a SERVER root continuing the caller's trace context, and its children."""
 
-    def __init__(self, tracer: trace.Tracer, method: str, path: str, carrier: dict[str, str], rid: str,
+    def __init__(self, tracing: Tracing, method: str, path: str, carrier: dict[str, str], rid: str,
                  start_ns: int | None, attrs: dict):
-        self.tracer, self.request_id = tracer, rid
+        self.tracing, self.request_id = tracing, rid
         parent = None
         if "traceparent" in carrier:
             parent = trace.get_current_span(PROPAGATOR.extract(carrier)).get_span_context()
         if parent is not None and parent.is_valid:  # its trace goes on, whatever its sampled flag says
             trace_id, state = parent.trace_id, parent.trace_state
         else:
-            parent, trace_id, state = None, tracer.id_generator.generate_trace_id(), None
-        self.context = SpanContext(trace_id, tracer.id_generator.generate_span_id(), False, SAMPLED, state)
+            parent, trace_id, state = None, tracing.ids.generate_trace_id(), None
+        self.tid = f"{trace_id:032x}"
+        self.context = SpanContext(trace_id, tracing.ids.generate_span_id(), False, SAMPLED, state)
         self.root = LeanSpan(self, f"{method} {path}", self.context, parent, SpanKind.SERVER, start_ns,
                              {"http.request.method": method, "url.path": path, REQUEST_ID_ATTR: rid,
                               **attributes(attrs)})
@@ -134,7 +144,7 @@ class RequestTrace:
              parent: LeanSpan | None = None, kind: SpanKind = INTERNAL, **kw) -> LeanSpan:
         """A child of the root (or of `parent`), ended at end_ns when one is given."""
         up = self.context if parent is None else parent.context
-        ctx = SpanContext(up.trace_id, self.tracer.id_generator.generate_span_id(), False, SAMPLED, up.trace_state)
+        ctx = SpanContext(up.trace_id, self.tracing.ids.generate_span_id(), False, SAMPLED, up.trace_state)
         s = LeanSpan(self, name, ctx, up, kind, start_ns, attributes(kw))
         if end_ns is not None:
             s.end(end_ns)
@@ -161,25 +171,24 @@ class RequestTrace:
 class Tracing:
     def __init__(self, component: str, role: str, instance: str = "", otlp_endpoint: str = "", keep: int = KEEP):
         resource = {"service.name": f"slofleet-{component}", ROLE_ATTR: role, "service.instance.id": instance}
-        self.provider = TracerProvider(sampler=ALWAYS_ON, resource=Resource.create(
-            {k: v for k, v in resource.items() if v}))
-        self.recent = Recent(keep)
-        self.provider.add_span_processor(self.recent)
+        self.resource = Resource.create({k: v for k, v in resource.items() if v})
+        self.recent, self.ids = Recent(keep), RandomIdGenerator()
+        self.export: SpanProcessor | None = None
         if otlp_endpoint:  # imported only then: protobuf and requests stay out of a process that exports nothing
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(traces_url(otlp_endpoint))))
-        self.tracer = self.provider.get_tracer("slofleet")
+            self.export = BatchSpanProcessor(OTLPSpanExporter(traces_url(otlp_endpoint)))
 
     def begin(self, method: str, path: str, carrier: dict[str, str], rid: str, start_ns: int | None = None,
               **attrs) -> RequestTrace:
         """The trace of one request arriving with `carrier`'s headers (traceparent, tracestate)."""
-        return RequestTrace(self.tracer, method, path, carrier, rid, start_ns, attrs)
+        return RequestTrace(self, method, path, carrier, rid, start_ns, attrs)
 
     def shutdown(self) -> None:
-        self.provider.shutdown()  # flushes the OTLP batch
+        if self.export is not None:
+            self.export.shutdown()  # flushes the OTLP batch
 
 
-def span_dict(span: ReadableSpan) -> dict:
+def span_dict(span: LeanSpan) -> dict:
     res = span.resource.attributes
     return {"trace_id": f"{span.context.trace_id:032x}", "span_id": f"{span.context.span_id:016x}",
             "parent_id": f"{span.parent.span_id:016x}" if span.parent else None, "name": span.name,
@@ -190,18 +199,18 @@ def span_dict(span: ReadableSpan) -> dict:
                        for e in span.events]}
 
 
-class Recent(SpanProcessor):
+class Recent:
     """The last `keep` traces' ended spans, found by trace id or by request id; turned into plain dicts only when
     asked for (on the request path a span costs a few dict operations here). Bounded however callers reuse ids: a
     client that sends every request under one trace id fills that trace's span ring, no more."""
 
     def __init__(self, keep: int):
         self.keep, self.lock = keep, threading.Lock()
-        self.traces: OrderedDict[str, deque[ReadableSpan]] = OrderedDict()
+        self.traces: OrderedDict[str, deque[LeanSpan]] = OrderedDict()
         self.by_request: OrderedDict[str, str] = OrderedDict()  # request id -> trace id; stale ones age out
 
-    def on_end(self, span: ReadableSpan) -> None:
-        tid, rid = f"{span.context.trace_id:032x}", (span.attributes or {}).get(REQUEST_ID_ATTR)
+    def add(self, span: LeanSpan, tid: str) -> None:
+        rid = span.attributes.get(REQUEST_ID_ATTR)
         with self.lock:
             spans = self.traces.get(tid)
             if spans is None:
