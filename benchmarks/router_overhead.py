@@ -52,23 +52,33 @@ def standin(port: int, events: int, gap: float) -> None:
 async def ttfbs(url: str, concurrency: int, seconds: float, stream_s: float) -> list[float]:
     """`concurrency` streams kept open for `seconds`: each worker starts a new stream when its last one ends
     (starts staggered over one stream's length, so arrivals are steady, not one burst). Each stream's time to
-    its first body byte."""
+    its first body byte, but for each worker's first stream, which also pays for opening the connections."""
     body = json.dumps({"model": "m", "prompt": "hello " * 50, "max_tokens": 8, "stream": True}).encode()
     out: list[float] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def worker(offset: float, deadline: float) -> None:
             await asyncio.sleep(offset)
+            opening = True
             while time.perf_counter() < deadline:
                 t0 = time.perf_counter()
                 async with s.post(url + "/v1/completions", data=body,
                                   headers={"content-type": "application/json"}) as r:
                     await r.content.readany()
-                    out.append(time.perf_counter() - t0)
+                    if not opening:
+                        out.append(time.perf_counter() - t0)
+                    opening = False
                     async for _ in r.content.iter_any():
                         pass
         end = time.perf_counter() + seconds
         await asyncio.gather(*(worker(stream_s * i / concurrency, end) for i in range(concurrency)))
-    return out[concurrency:]  # the first streams also pay for opening connections
+    return out
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its children (the router's workers), from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") + sum(cpu_s(int(k)) for k in kids)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -100,11 +110,17 @@ def main() -> int:
         direct_url, router_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{router_port}"
         asyncio.run(wait_ready(direct_url, 30))
         asyncio.run(wait_ready(router_url, 30))
-        direct: list[float] = []
-        routed: list[float] = []
+        paths: dict[str, list[float]] = {"direct": [], "router": []}
+        # CPU seconds of the client (this process), the stand-in and the router while each path was measured: on
+        # shared cores the router path's streams/s is bounded by what the three together cost per stream
+        cpu = {name: [0.0, 0.0, 0.0] for name in paths}
         for _ in range(args.rounds):
-            direct += asyncio.run(ttfbs(direct_url, args.concurrency, args.seconds, args.events * args.gap))
-            routed += asyncio.run(ttfbs(router_url, args.concurrency, args.seconds, args.events * args.gap))
+            for name, url in (("direct", direct_url), ("router", router_url)):
+                before = (time.process_time(), cpu_s(procs[0].pid), cpu_s(procs[1].pid))
+                paths[name] += asyncio.run(ttfbs(url, args.concurrency, args.seconds, args.events * args.gap))
+                after = (time.process_time(), cpu_s(procs[0].pid), cpu_s(procs[1].pid))
+                cpu[name] = [c + b - a for c, a, b in zip(cpu[name], before, after)]
+        direct, routed = paths["direct"], paths["router"]
         print(f"stand-in upstream (no model), {args.concurrency} concurrent streams, router --workers {args.workers}, "
               f"{len(direct)} / {len(routed)} "
               f"streams measured direct / through the router, "
@@ -117,6 +133,10 @@ def main() -> int:
               f"{pct(routed, 99) / pct(direct, 99):.2f}x (target <= 2x)")
         print(f"router overhead, P50 through router minus P50 direct: {pct(routed, 50) - pct(direct, 50):.2f} ms "
               f"(target < 2 ms)")
+        for name, xs in paths.items():  # every stream run, the unmeasured first ones too
+            n = len(xs) + args.rounds * args.concurrency
+            client, up, router = (c / n * 1e6 for c in cpu[name])
+            print(f"CPU per stream, {name}: client {client:.0f} us, stand-in {up:.0f} us, router {router:.0f} us")
     finally:
         for proc in procs:
             proc.terminate()
