@@ -153,10 +153,12 @@ def run(args: argparse.Namespace) -> int:
     app = Router(cfg, replicas, Classifier(buckets, args.chars_per_token, args.min_shed_share, args.buckets), keys,
                  Quotas(), Balancer(args.policy, args.load_factor, precise=precise))
     # httptools (uvicorn[standard]; several times less CPU per streamed chunk than h11) with bounds on slow
-    # request heads, and uvloop when installed
+    # request heads, and uvloop when installed; no X-Forwarded-* rewriting, since nothing here reads the client's
+    # address (it cost a header scan per request)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             interface="asgi3", http=head_limited(args.header_timeout, args.max_header_bytes),
-                            timeout_keep_alive=args.keep_alive_timeout, timeout_graceful_shutdown=args.grace_period)
+                            timeout_keep_alive=args.keep_alive_timeout, timeout_graceful_shutdown=args.grace_period,
+                            proxy_headers=False)
     DrainingServer(config, app, args.drain_delay).run(
         sockets=[reuse_port_socket(args.host, args.port)] if args.workers > 1 else None)
     return 0

@@ -87,9 +87,15 @@ class Response:
     def __init__(self, pool: Pool, key: tuple, conn: Conn):
         self.pool, self.key, self.conn = pool, key, conn
         self.status, self.raw_headers = conn.status, conn.raw_headers
-        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in conn.raw_headers}
-        self.content_type = self.headers.get("content-type", "").partition(";")[0].strip().lower()
         self.timer: asyncio.TimerHandle | None = None
+
+    def header(self, name: bytes) -> str | None:
+        """A response header's value by its lower-case name (the few asked for are looked up, not all decoded)."""
+        return next((v.decode("latin-1") for k, v in self.raw_headers if k.lower() == name), None)
+
+    @property
+    def content_type(self) -> str:
+        return (self.header(b"content-type") or "").partition(";")[0].strip().lower()
 
     async def readany(self) -> bytes:
         """The body bytes arrived since the last call (waiting for some), b"" once the body is over."""

@@ -188,7 +188,7 @@ class Upstream:
         """The answering try's phases: the tries lost before it, and the decode engine's KV hand-off."""
         if span.start_time > first_try:
             self.metrics.phase.labels(bucket, "retry").observe((span.start_time - first_try) / 1e9)
-        handoff = HANDOFF_TIMING.search(resp.headers.get(SERVER_TIMING_HEADER, ""))
+        handoff = HANDOFF_TIMING.search(resp.header(SERVER_TIMING_HEADER.encode()) or "")
         if handoff:
             self.metrics.phase.labels(bucket, "handoff").observe(float(handoff.group(1)) / 1e3)
 

@@ -7,11 +7,11 @@ A caller's traceparent is continued (its trace id kept) whatever its sampled fla
 ids and replica addresses, never prompt or output text."""
 from __future__ import annotations
 
+import random
 import re
 import threading
 import time
 import urllib.parse
-import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable
 
@@ -38,8 +38,8 @@ CLIENT, INTERNAL = SpanKind.CLIENT, SpanKind.INTERNAL
 
 def request_id(given: str | None) -> str:
     """A caller's own request id when well-formed (it lands in headers, logs and spans: bounded length and
-    charset), else a new one."""
-    return given if given and REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:24]
+    charset), else a new one (random, not secret: no system call for it)."""
+    return given if given and REQUEST_ID.fullmatch(given) else f"{random.getrandbits(96):024x}"
 
 
 def request_id_of(scope) -> str:
