@@ -1,6 +1,12 @@
 """`--dtype auto` on the CPU: measure, don't guess. A CPU with avx512_bf16 but no AMX can run bf16 GEMMs slower than
-fp32, so a short probe times both at the model's own prefill and decode shapes and picks the faster. The answer is
-cached per CPU model, torch version, thread count and shape, so later starts skip the probe."""
+fp32, one with AMX runs them several times faster, so a short probe times both at the model's own prefill and decode
+shapes and picks the faster. The answer is cached per CPU model and features, torch version, thread count and shape,
+so later starts skip the probe.
+
+One timing is easily wrong on a shared machine: the first GEMMs of a process are slow (thread pool, kernel
+selection), and a descheduled thread stalls a multi-threaded GEMM for a whole time slice (a 16-row GEMM then reads 50x
+slower). So the probe warms up first, then takes the best of ROUNDS short windows per dtype and shape, interleaved,
+so that contention hits both dtypes alike and what is kept is what the CPU can do."""
 from __future__ import annotations
 
 import json
@@ -21,6 +27,8 @@ PREFILL_ROWS, DECODE_ROWS = 512, 16
 DECODES_PER_PREFILL = 8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CANDIDATES = ("float32", "bfloat16")
+ROUNDS, WINDOW_S, WARM_UP_S = 5, 0.03, 0.2
+FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which dtype's kernels are fast
 
 
 @dataclass(slots=True, kw_only=True)
@@ -31,13 +39,18 @@ class DtypeChoice:
 
 
 def cpu_model() -> str:
+    """The CPU's model name and the features that matter here: machines sold under one name differ in them."""
+    name, flags = platform.processor() or platform.machine(), set()
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return " ".join([name, *(f for f in FEATURES if f in flags)])
 
 
 def gemm_gflops(rows: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.05) -> float:
@@ -59,8 +72,16 @@ def step_seconds(figures: dict[str, float], k: int, n: int) -> float:
 
 
 def probe(hidden: int, intermediate: int) -> dict[str, dict[str, float]]:
-    return {name: {"prefill": gemm_gflops(PREFILL_ROWS, hidden, intermediate, DTYPES[name]),
-                   "decode": gemm_gflops(DECODE_ROWS, hidden, intermediate, DTYPES[name])} for name in CANDIDATES}
+    shapes = {"prefill": PREFILL_ROWS, "decode": DECODE_ROWS}
+    for name in CANDIDATES:
+        gemm_gflops(PREFILL_ROWS, hidden, intermediate, DTYPES[name], WARM_UP_S / len(CANDIDATES))
+    best = {name: dict.fromkeys(shapes, 0.0) for name in CANDIDATES}
+    for _ in range(ROUNDS):
+        for name in CANDIDATES:
+            for shape, rows in shapes.items():
+                rate = gemm_gflops(rows, hidden, intermediate, DTYPES[name], WINDOW_S)
+                best[name][shape] = max(best[name][shape], rate)
+    return best
 
 
 def cache_file() -> Path:
