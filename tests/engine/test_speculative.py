@@ -165,3 +165,17 @@ def test_finishing_a_drafted_request_frees_its_draft_blocks():
     assert len(sched.kv.tables[req.request_id]) == 4  # 11 tokens' KV with the draft's 4 slots: 15 of 16
     finish(sched, req)  # an abort between schedule and sampling
     assert sched.kv.pool.num_free == 16
+
+
+def test_a_rejected_draft_shortens_the_next_one_and_matches_lengthen_it():
+    spec = Speculator(4, 2)
+    req = make_request(CYCLE * 3, max_tokens=20)
+    req.num_computed_tokens = req.num_tokens - 1
+    lengths = []
+    for picks_right in (0, 1, 2, 3, 4):  # how many of the draft's tokens the stand-in model agrees with
+        spec.propose([req])
+        lengths.append(len(req.draft))
+        picks = req.draft[:picks_right] + [99] * (len(req.draft) + 1 - picks_right)
+        spec.accept([req] * len(picks), picks, [None] * len(picks))
+        req.draft = []
+    assert lengths == [4, 1, 2, 3, 4]

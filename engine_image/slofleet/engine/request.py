@@ -66,6 +66,7 @@ class Request:
     export_kv: bool = False  # prefill role: hand the prompt's KV blocks out when the first token is sampled
     imported: KVPayload | None = None  # decode role: KV to load instead of computing the prompt
     draft: list[int] = field(default_factory=list)  # speculative tokens to verify after the last one (this step)
+    draft_len: int = 0  # the longest next draft (speculative.py): 1 more than the last one kept; 0: not drafted yet
 
     def __post_init__(self) -> None:
         self.record(Event.ARRIVED, self.arrival_time)

@@ -4,7 +4,8 @@ A decoding request whose last n tokens occurred earlier in its own prompt + outp
 that occurrence as a draft. The step feeds its last token and the draft (1 + k query tokens, like a short prefill
 chunk over its paged KV) and the model's logits at every one of them; the longest prefix of the draft that the
 sampler agrees with is accepted, plus the token sampled after it. Repetitive text (quoting, summarising, editing
-code) then yields several tokens per forward pass.
+code) then yields several tokens per forward pass. A request's next draft is at most one token longer than what
+it kept of its last one (up to k): rejected draft tokens are compute spent for nothing.
 
 Only greedy rows without penalties draft, once min_tokens are out: their choice at each position is the argmax of
 the model's own logits whatever came before, so accepting while argmax equals the draft gives exactly the tokens
@@ -70,7 +71,7 @@ class Speculator:
             room = req.max_tokens - len(req.output_token_ids) - 1  # the bonus token is always one of them
             ok = (self.k and room > 0 and req.num_tokens - req.num_computed_tokens == 1 and can_draft(req)
                   and (not self.buckets or req.bucket in self.buckets))
-            req.draft = propose(req.token_ids(), self.n, min(self.k, room)) if ok else []
+            req.draft = propose(req.token_ids(), self.n, min(req.draft_len or self.k, room)) if ok else []
 
     @staticmethod
     def rows(scheduled: list[tuple[Request, int]]) -> tuple[list[int], list[Request]]:
@@ -97,6 +98,7 @@ class Speculator:
             ok = next((j for j, (d, t) in enumerate(zip(draft, picked)) if d != t), len(draft))
             if draft:
                 self.stats.add(req.bucket, len(draft), ok)
+                req.draft_len = min(self.k, ok + 1)
             out_reqs.append(req)
             out_tokens.append(picked[:ok + 1])
             out_lps.append(logprobs[i:i + ok + 1])
