@@ -37,6 +37,7 @@ from slofleet.tracing.core import RequestTrace, Tracing, request_id_of, with_req
 
 from .balancer import Balancer
 from .buckets import Admission, Bucket, Classifier
+from .deadline import Deadline
 from .debug import debug_traces
 from .gateway import GatewayError, KeyStore, Quotas
 from .http1 import Pool
@@ -206,7 +207,8 @@ class Router:
         try:
             quota = self.keys.authenticate(headers)
             try:
-                raw = await asyncio.wait_for(self.read_body(receive, headers), self.cfg.body_timeout)
+                async with Deadline(self.cfg.body_timeout):
+                    raw = await self.read_body(receive, headers)
             except asyncio.TimeoutError:
                 raise GatewayError(408, f"the request body did not arrive within {self.cfg.body_timeout:g} s",
                                    "invalid_request_error") from None

@@ -29,6 +29,7 @@ from slofleet.tracing.core import CLIENT, RequestTrace, attributes
 
 from .balancer import Balancer
 from .buckets import Classifier, Ticket
+from .deadline import Deadline
 from .http1 import Pool
 from .metrics import RouterMetrics
 from .replicas import ReplicaSet
@@ -134,8 +135,8 @@ class Upstream:
                 send_headers[PREFILL_HEADER] = prefill.url
             resp, outcome = None, "ok"
             try:
-                resp, first = await asyncio.wait_for(self.first_chunk(replica.url, path, payload, send_headers),
-                                                     deadline - time.monotonic())
+                async with Deadline(deadline - time.monotonic()):
+                    resp, first = await self.first_chunk(replica.url, path, payload, send_headers)
                 if resp.status >= 400 and prefill is not None and b"prefill engine" in first:
                     # the prefill replica failed or is full, not the decode one: the same decode replica tries
                     # again with another prefill replica, or prefills itself
