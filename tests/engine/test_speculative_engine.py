@@ -23,14 +23,18 @@ def engines():
             for k in (0, 4)}
 
 
-def generate(engine: LLMEngine, prompts: list, params: list[SamplingParams], bucket: str = "default") -> list:
-    """(token ids, text joined from the deltas, finish reason, logprobs) per prompt; every block free after."""
+def generate(engine: LLMEngine, prompts: list, params: list[SamplingParams], bucket: str = "default",
+             steps: list | None = None) -> list:
+    """(token ids, text joined from the deltas, finish reason, logprobs) per prompt; every block free after. steps:
+    gets each step's record."""
     reqs = [engine.add_request(p, sp, bucket=bucket) for p, sp in zip(prompts, params)]
     texts = {r.request_id: "" for r in reqs}
     while engine.has_unfinished():
         for out in engine.step():
             assert len(out.new_logprobs) == (len(out.new_token_ids) if out.request.params.logprobs else 0)
             texts[out.request_id] += out.new_text
+        if steps is not None:
+            steps.append(engine.last_step)
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
     return [(r.output_token_ids, texts[r.request_id], r.finish_reason, r.output_logprobs) for r in reqs]
 
@@ -42,9 +46,12 @@ def both(engines, prompts, params, bucket="default"):
 def test_greedy_tokens_are_the_same_with_drafts_and_accepted_ones_are_exported(engines, chat_ids):
     prompts = REPETITIVE + chat_ids
     params = [SamplingParams(temperature=0, max_tokens=48)] * len(prompts)
-    off, on = both(engines, prompts, params, bucket="docs")
+    off = generate(engines[0], prompts, params, bucket="docs")
+    steps: list = []
+    on = generate(engines[4], prompts, params, bucket="docs", steps=steps)
     for (a, ta, fa, _), (b, tb, fb, _) in zip(off, on):
         assert (a, ta, fa) == (b, tb, fb)
+    assert any(s.num_generated > s.num_requests for s in steps)  # several tokens for some request in one step
     spec = engines[4].stats().spec
     assert spec.accepted["docs"] > 0 and spec.drafted["docs"] >= spec.accepted["docs"] and spec.drafts["docs"] > 0
     assert not engines[0].stats().spec.drafted
@@ -71,6 +78,17 @@ def test_stops_lengths_and_logprobs_are_the_same_with_drafts(engines, tokenizer)
     cut = text.index(word)
     assert (on[0][1], on[1][1], on[0][2]) == (text[:cut], text[:cut + len(word)], "stop")
     assert len(on[3][0]) == 7 and on[3][2] == "length" and len(on[4][3]) == len(on[4][0])
+
+
+def test_blocks_of_accepted_drafts_are_cached_with_their_own_kv(engines):
+    # The second prompt is the first plus its output: its cached blocks include ones that accepted drafts filled,
+    # and the continuation computed over them is the one speculation off computes over its own.
+    first = generate(engines[4], [REPETITIVE[1]], [SamplingParams(temperature=0, max_tokens=40)])[0][0]
+    ids = engines[4].tokenize(REPETITIVE[1]) + first
+    params = [SamplingParams(temperature=0, max_tokens=16)]
+    hits = engines[4].kv.stats.hits
+    off, on = both(engines, [ids], params)
+    assert engines[4].kv.stats.hits - hits >= len(ids) // 16 * 16 - 16 and off[0][:3] == on[0][:3]
 
 
 def test_an_abort_mid_draft_frees_every_block(engines):
