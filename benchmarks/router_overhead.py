@@ -49,29 +49,38 @@ def standin(port: int, events: int, gap: float) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", interface="asgi3", access_log=False)
 
 
-async def ttfbs(url: str, concurrency: int, seconds: float, stream_s: float) -> list[float]:
+async def ttfbs(url: str, concurrency: int, seconds: float, stream_s: float) -> tuple[list[float], int]:
     """`concurrency` streams kept open for `seconds`: each worker starts a new stream when its last one ends
     (starts staggered over one stream's length, so arrivals are steady, not one burst). Each stream's time to
-    its first body byte, but for each worker's first stream, which also pays for opening the connections."""
+    its first body byte, but for each worker's first stream, which also pays for opening the connections; and the
+    streams that failed (an error status, a connection error, or an answer without the stand-in's end)."""
     body = json.dumps({"model": "m", "prompt": "hello " * 50, "max_tokens": 8, "stream": True}).encode()
     out: list[float] = []
+    errors = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def worker(offset: float, deadline: float) -> None:
+            nonlocal errors
             await asyncio.sleep(offset)
             opening = True
             while time.perf_counter() < deadline:
                 t0 = time.perf_counter()
-                async with s.post(url + "/v1/completions", data=body,
-                                  headers={"content-type": "application/json"}) as r:
-                    await r.content.readany()
+                try:
+                    async with s.post(url + "/v1/completions", data=body,
+                                      headers={"content-type": "application/json"}) as r:
+                        last = await r.content.readany()
+                        ttfb = time.perf_counter() - t0
+                        async for chunk in r.content.iter_any():
+                            last = chunk
+                    if r.status != 200 or not last.endswith(b"data: [DONE]\n\n"):
+                        raise ValueError(f"status {r.status}, ending {last[-60:]!r}")
                     if not opening:
-                        out.append(time.perf_counter() - t0)
-                    opening = False
-                    async for _ in r.content.iter_any():
-                        pass
+                        out.append(ttfb)
+                except (aiohttp.ClientError, ValueError):
+                    errors += 1
+                opening = False
         end = time.perf_counter() + seconds
         await asyncio.gather(*(worker(stream_s * i / concurrency, end) for i in range(concurrency)))
-    return out
+    return out, errors
 
 
 def cpu_s(pid: int) -> float:
@@ -114,10 +123,13 @@ def main() -> int:
         # CPU seconds of the client (this process), the stand-in and the router while each path was measured: on
         # shared cores the router path's streams/s is bounded by what the three together cost per stream
         cpu = {name: [0.0, 0.0, 0.0] for name in paths}
+        errors = dict.fromkeys(paths, 0)
         for _ in range(args.rounds):
             for name, url in (("direct", direct_url), ("router", router_url)):
                 before = (time.process_time(), cpu_s(procs[0].pid), cpu_s(procs[1].pid))
-                paths[name] += asyncio.run(ttfbs(url, args.concurrency, args.seconds, args.events * args.gap))
+                xs, failed = asyncio.run(ttfbs(url, args.concurrency, args.seconds, args.events * args.gap))
+                paths[name] += xs
+                errors[name] += failed
                 after = (time.process_time(), cpu_s(procs[0].pid), cpu_s(procs[1].pid))
                 cpu[name] = [c + b - a for c, a, b in zip(cpu[name], before, after)]
         direct, routed = paths["direct"], paths["router"]
@@ -129,12 +141,13 @@ def main() -> int:
         span = args.rounds * args.seconds
         for name, xs in (("direct", direct), ("router", routed)):
             print(f"{name:<8} {len(xs) / span:>10.0f} {pct(xs, 50):>12.2f} {pct(xs, 90):>8.2f} {pct(xs, 99):>8.2f}")
+        print(f"failed streams: {errors['direct']} direct, {errors['router']} through the router (target 0)")
         print(f"router / direct: {len(routed) / len(direct):.2f}x the streams (target >= 0.9x), P99 TTFB "
               f"{pct(routed, 99) / pct(direct, 99):.2f}x (target <= 2x)")
         print(f"router overhead, P50 through router minus P50 direct: {pct(routed, 50) - pct(direct, 50):.2f} ms "
               f"(target < 2 ms)")
-        for name, xs in paths.items():  # every stream run, the unmeasured first ones too
-            n = len(xs) + args.rounds * args.concurrency
+        for name, xs in paths.items():  # every stream run, the unmeasured first ones and failed ones too
+            n = len(xs) + errors[name] + args.rounds * args.concurrency
             client, up, router = (c / n * 1e6 for c in cpu[name])
             print(f"CPU per stream, {name}: client {client:.0f} us, stand-in {up:.0f} us, router {router:.0f} us")
     finally:
