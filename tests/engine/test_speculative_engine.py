@@ -2,11 +2,13 @@
 n-gram drafts on and off, acceptance counted per bucket and exported, and every KV block back after each run."""
 from __future__ import annotations
 
+import openai
 import pytest
 
 from slofleet.engine import LLMEngine
 from slofleet.engine.sampling_params import SamplingParams
 from slofleet.engine.server.collector import EngineCollector
+from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -83,8 +85,10 @@ def test_stops_lengths_and_logprobs_are_the_same_with_drafts(engines, tokenizer)
 def test_blocks_of_accepted_drafts_are_cached_with_their_own_kv(engines):
     # The second prompt is the first plus its output: its cached blocks include ones that accepted drafts filled,
     # and the continuation computed over them is the one speculation off computes over its own.
-    first = generate(engines[4], [REPETITIVE[1]], [SamplingParams(temperature=0, max_tokens=40)])[0][0]
-    ids = engines[4].tokenize(REPETITIVE[1]) + first
+    accepted = engines[4].stats().spec.accepted.get("default", 0)
+    first = generate(engines[4], [REPETITIVE[0]], [SamplingParams(temperature=0, max_tokens=40)])[0][0]
+    assert engines[4].stats().spec.accepted["default"] > accepted
+    ids = engines[4].tokenize(REPETITIVE[0]) + first
     params = [SamplingParams(temperature=0, max_tokens=16)]
     hits = engines[4].kv.stats.hits
     off, on = both(engines, [ids], params)
@@ -102,3 +106,23 @@ def test_an_abort_mid_draft_frees_every_block(engines):
         engine.step()
     assert all(r.finish_reason == "abort" for r in reqs)
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
+def test_the_server_streams_drafted_tokens_as_it_answers_without_them(engines, tmp_path):
+    (ids, text, _, _), = generate(engines[0], [REPETITIVE[0]], [SamplingParams(temperature=0, max_tokens=40)])
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    want = text[:text.index(stop)]
+    srv = Server("--num-speculative-tokens", "4", log=tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        kw = dict(model="SmolLM2-135M-Instruct", prompt=REPETITIVE[0], max_tokens=40, temperature=0, stop=[stop],
+                  logprobs=2)
+        assert client.completions.create(**kw).choices[0].text == want
+        chunks = [c for c in client.completions.create(**kw, stream=True, stream_options={"include_usage": True})]
+        streamed = [c.choices[0] for c in chunks if c.choices]
+        assert "".join(c.text for c in streamed) == want and streamed[-1].finish_reason == "stop"
+        assert len(streamed) < chunks[-1].usage.completion_tokens  # deltas of several tokens
+        assert srv.metrics()["slofleet:spec_accepted_tokens_total{bucket=default}"] > 0
+    finally:
+        srv.stop()
