@@ -1,6 +1,7 @@
 """The router's HTTP/1.1 client (slofleet.router.http1) against a raw asyncio server: kept-alive connections are
-reused, one the server closed while idle is replaced without an error, a silent answer ends with TimeoutError,
-and a reader that falls behind pauses reading from the server instead of buffering without bound."""
+reused, one the server closed while idle is replaced without an error, an answer without length ends with the
+connection while a chunked one cut short fails, a silent answer ends with TimeoutError, and a reader that falls
+behind pauses reading from the server instead of buffering without bound."""
 from __future__ import annotations
 
 import asyncio
@@ -58,6 +59,32 @@ def test_connections_are_kept_alive_and_one_closed_while_idle_is_replaced():
         resp.release()
         pool.close()
         await asyncio.sleep(0.05)  # the server's handlers see the connections close
+        server.close()
+
+    run(main())
+
+
+def test_an_answer_without_length_ends_with_the_connection_and_one_cut_short_fails():
+    async def main() -> None:
+        async def answer(body: bytes, writer: asyncio.StreamWriter) -> None:
+            if body == b"eof":  # neither content-length nor chunks: the body is what comes before the close
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{\"ok\": true}")
+            else:  # a chunked answer that stops without its last chunk
+                writer.write(HEAD + chunk(b"data: partial\n\n"))
+            await writer.drain()
+            writer.close()
+
+        server, url = await serve(answer)
+        pool = http1.Pool(2.0, {})
+        resp = await pool.post(url, "/v1/completions", b"eof", {})
+        assert await resp.read() == b'{"ok": true}'
+        resp.release()
+        resp = await pool.post(url, "/v1/completions", b"cut", {})
+        assert await resp.readany() == b"data: partial\n\n"
+        with pytest.raises(OSError):
+            await resp.readany()
+        resp.close()
+        await asyncio.sleep(0.05)
         server.close()
 
     run(main())

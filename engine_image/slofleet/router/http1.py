@@ -40,6 +40,9 @@ class Conn(asyncio.Protocol):
         self.transport, self.loop = transport, asyncio.get_running_loop()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if exc is None and self.head_done and not self.complete and not any(
+                k.lower() in (b"content-length", b"transfer-encoding") for k, _ in self.raw_headers):
+            self.complete = True  # a body without length or chunks runs to the connection's end (RFC 9112 6.3)
         self.lost = exc or ConnectionResetError("the replica closed the connection")
         if self.home is not None:  # closed while idle (the replica's keep-alive timeout)
             self.home.pop(self, None)
