@@ -179,3 +179,20 @@ def test_a_rejected_draft_shortens_the_next_one_and_matches_lengthen_it():
         spec.accept([req] * len(picks), picks, [None] * len(picks))
         req.draft = []
     assert lengths == [4, 1, 2, 3, 4]
+
+
+def test_draft_tokens_come_out_of_a_tpot_bounded_prompt_budget():
+    sched = make_scheduler()
+    decodes = [make_request(8, max_tokens=10) for _ in range(4)]
+    for r in decodes:
+        r.tpot, r.draft = 0.1, [1, 2]
+    assert sched.prompt_budget(512, decodes) == 512  # nothing learnt yet: no bound
+    for seqs in range(1, 49):  # exact costs: 10 ms a step, 1 ms a sequence, 0.2 ms a prompt token
+        for prompt in (0, 64, 256):
+            sched.cost.observe(seqs, prompt, 0.010 + 0.001 * seqs + 0.0002 * prompt)
+    for r in decodes:
+        r.draft = []
+    plain = sched.prompt_budget(512, decodes)
+    for r in decodes:
+        r.draft = [1, 2, 3, 4]
+    assert 100 < plain < 512 and sched.prompt_budget(512, decodes) == plain - 16

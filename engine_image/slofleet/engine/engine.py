@@ -254,7 +254,7 @@ class LLMEngine:
         step_prompt = 0
         for req, n in sched.scheduled:
             prompt = max(0, min(req.num_prompt_tokens, req.num_computed_tokens + n) - req.num_computed_tokens)
-            step_prompt += prompt
+            step_prompt += prompt + len(req.draft)  # to the step-cost model, a draft's tokens cost what prompt's do
             st.prompt_tokens_computed += prompt
             req.num_prompt_computed += prompt
             if prompt:

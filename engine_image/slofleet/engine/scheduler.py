@@ -92,7 +92,8 @@ class Scheduler:
         its decodes; at least MIN_PROMPT_CHUNK, so prompts still make progress under any target."""
         targets = [r.tpot for r in decodes if r.tpot is not None]
         cap = self.cost.prompt_budget(len(decodes) + 1, min(targets)) if targets else None
-        return budget if cap is None else min(budget, max(MIN_PROMPT_CHUNK, cap))
+        drafted = sum(len(r.draft) for r in decodes)  # already in the step, at a prompt token's cost each
+        return budget if cap is None else min(budget, max(MIN_PROMPT_CHUNK, cap - drafted))
 
     # -- one step ------------------------------------------------------------------------
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
