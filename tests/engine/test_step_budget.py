@@ -1,12 +1,17 @@
 """The SLO-aware step budget without a model: while a bucket with a TPOT target decodes, a document's prefill chunks
 are bounded to what the fitted step cost says fits in that target, yet the document progresses and gets the whole
-budget once no such decode runs; bad per-bucket targets are refused."""
+budget once no such decode runs; bad per-bucket targets are refused, and the router's per-request target is taken
+from the service's token holders only."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
+from slofleet.api.contract import TPOT_HEADER
 from slofleet.engine.config import EngineConfig
 from slofleet.engine.scheduler import MIN_PROMPT_CHUNK
+from slofleet.engine.server.api import tpot_of
 from slofleet.engine.step_cost import WINDOW
 
 from .builders import make_request, make_scheduler, step
@@ -69,3 +74,18 @@ def test_an_engine_gives_each_bucket_its_target():
 def test_bad_targets_are_refused(bad):
     with pytest.raises(ValueError, match="bucket_tpot_ms"):
         EngineConfig(bucket_tpot_ms=bad)
+
+
+def request_with(tpot_ms: str, token: str, internal: bool) -> SimpleNamespace:
+    """What tpot_of reads of a Starlette request: the app's settings, the auth result and the headers."""
+    settings = SimpleNamespace(internal_token=token)
+    return SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(slofleet=SimpleNamespace(settings=settings))),
+                           state=SimpleNamespace(internal=internal), headers={TPOT_HEADER: tpot_ms})
+
+
+def test_the_routers_target_is_honoured_from_token_holders_only():
+    assert tpot_of(request_with("40", "tok", internal=True)) == 0.04
+    assert tpot_of(request_with("40", "tok", internal=False)) is None  # a client calling an engine directly
+    assert tpot_of(request_with("40", "", internal=False)) == 0.04  # a local engine without a service token
+    for bad in ("0", "-3", "fast", "inf", "nan", ""):
+        assert tpot_of(request_with(bad, "", internal=False)) is None, bad

@@ -47,7 +47,8 @@ class StandIn:
         request = json.loads(raw)
         seen = {"priority": request.get("priority"), "bucket": headers.get("x-slofleet-bucket"),
                 "authorization": headers.get("authorization"), "port": self.port,
-                "traceparent": headers.get("traceparent"), "request_id": headers.get("x-request-id")}
+                "traceparent": headers.get("traceparent"), "request_id": headers.get("x-request-id"),
+                "tpot": headers.get("x-slofleet-tpot-ms")}
         self.received.append(seen)
         await send({"type": "http.response.start", "status": self.status,
                     "headers": [(b"content-type", b"text/event-stream")]})

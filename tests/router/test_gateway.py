@@ -16,7 +16,7 @@ from .helpers import StandIn
 BUCKETS = {"buckets": [
     {"name": "batch", "priority": 5, "match": {"header": {"x-tier": "batch"}}, "slo": {"ttftMs": 60000}},
     {"name": "chat", "priority": 0, "match": {"maxPromptTokens": 200, "route": "/v1/chat/completions"},
-     "slo": {"ttftMs": 500}},
+     "slo": {"ttftMs": 500, "tpotMs": 40}},
     {"name": "long", "priority": 3, "match": {"minPromptTokens": 201}, "slo": {"ttftMs": 5000}},
 ]}
 
@@ -82,16 +82,17 @@ def test_size_limit_413(router):
     assert r.status_code == 413 and "20000 bytes" in r.json()["error"]["message"]
 
 
-def test_bucket_and_priority_reach_the_engine(router, standin):
-    cases = [(chat("short question"), {}, "/v1/chat/completions", ("chat", 0)),
-             (chat("short", priority=-10), {"x-tier": "batch"}, "/v1/chat/completions", ("batch", 5)),
-             (chat("long " * 400), {}, "/v1/chat/completions", ("long", 3)),
-             ({"model": "m", "prompt": "short", "stream": True}, {}, "/v1/completions", ("default", 5))]
-    for body, headers, path, (bucket, priority) in cases:
-        r = post(router, body, path=path, **headers)
+def test_bucket_priority_and_tpot_target_reach_the_engine(router, standin):
+    cases = [(chat("short question"), {}, "/v1/chat/completions", ("chat", 0, "40")),
+             (chat("short", priority=-10), {"x-tier": "batch"}, "/v1/chat/completions", ("batch", 5, None)),
+             (chat("long " * 400), {}, "/v1/chat/completions", ("long", 3, None)),
+             ({"model": "m", "prompt": "short", "stream": True}, {}, "/v1/completions", ("default", 5, None))]
+    for body, headers, path, (bucket, priority, tpot) in cases:
+        r = post(router, body, path=path, **headers, **{"x-slofleet-tpot-ms": "1"})  # a client's claim is dropped
         assert r.status_code == 200, r.text
         assert r.headers["x-slofleet-bucket"] == bucket
-        assert (standin.received[-1]["bucket"], standin.received[-1]["priority"]) == (bucket, priority)
+        seen = standin.received[-1]
+        assert (seen["bucket"], seen["priority"], seen["tpot"]) == (bucket, priority, tpot)
 
 
 def test_metrics_per_bucket(router):

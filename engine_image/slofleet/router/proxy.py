@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from slofleet.api import v1alpha1 as api
-from slofleet.api.contract import BUCKET_HEADER, REQUEST_ID_HEADER, ROUTER
+from slofleet.api.contract import BUCKET_HEADER, REQUEST_ID_HEADER, ROUTER, TPOT_HEADER
 from slofleet.tracing.core import RequestTrace, Tracing, request_id_of, with_request_id
 
 from .balancer import Balancer
@@ -252,6 +252,8 @@ class Router:
         # the trace context goes per try (each its own span); the request id is the one the client was answered with
         upstream_headers = {"content-type": "application/json", BUCKET_HEADER: bucket.name,
                             REQUEST_ID_HEADER: rt.request_id}
+        if bucket.slo is not None and bucket.slo.tpot_ms:  # bounds the prompt work of the engine's steps beside it
+            upstream_headers[TPOT_HEADER] = str(bucket.slo.tpot_ms)
         key = self.balancer.key(body.messages, body.prompt, text, self.cfg.affinity_chars)
         self.inflight += 1
         self.metrics.inflight.labels(bucket.name).inc()
