@@ -43,15 +43,20 @@ def start(cmd: list[str], url: str, log: Path, ready_path: str) -> subprocess.Po
     raise TimeoutError(f"{cmd} not ready; see {log}")
 
 
-async def run_rate(url: str, model: str, rate: float, requests: int, seed: int) -> list[Result]:
+async def run_rate(url: str, model: str, rate: float, requests: int, seed: int, give_up: float) -> list[Result]:
+    """The requests' results; those still running `give_up` seconds after the last arrival are cancelled and count
+    as failed (a server that far behind has missed their SLOs long before)."""
     rng = random.Random(seed)
     tasks = []
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000)) as client:
         for _ in range(requests):
             b = rng.choices(MIX, [b.share for b in MIX])[0]
-            tasks.append(asyncio.create_task(send(client, url, b.body(model, rng, completion=True), b.name)))
+            tasks.append((b.name, asyncio.create_task(send(client, url, b.body(model, rng, completion=True), b.name))))
             await asyncio.sleep(rng.expovariate(rate))
-        return await asyncio.gather(*tasks)
+        _, late = await asyncio.wait([t for _, t in tasks], timeout=give_up)
+        for t in late:
+            t.cancel()
+        return [Result(name, 0, error="gave up") if t in late else t.result() for name, t in tasks]
 
 
 def send(client: httpx.AsyncClient, url: str, body: dict, bucket: str):
@@ -95,6 +100,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", type=float, nargs="+", default=[4.0], help="requests per second, one run each")
     ap.add_argument("--requests", type=int, default=240, help="requests per rate")
+    ap.add_argument("--give-up", type=float, default=120, help="seconds after the last arrival to cancel the rest")
     ap.add_argument("--transformers-serve", action="store_true",
                     help="also run transformers serve --continuous-batching")
     ap.add_argument("--port", type=int, default=8100)
@@ -119,7 +125,7 @@ def main() -> int:
         try:
             asyncio.run(warm_up(url, model))
             for rate in args.rates:
-                results = asyncio.run(run_rate(url, model, rate, args.requests, 0))
+                results = asyncio.run(run_rate(url, model, rate, args.requests, 0, args.give_up))
                 report(name, rate, results)
         finally:
             proc.terminate()
