@@ -67,9 +67,11 @@ class Speculator:
 
     def propose(self, running: list[Request]) -> None:
         """Set every running request's draft for the coming step ([] where it does not draft)."""
+        if not self.k:
+            return  # off: drafts stay [] (the scheduler and _preempt only ever shorten them)
         for req in running:
             room = req.max_tokens - len(req.output_token_ids) - 1  # the bonus token is always one of them
-            ok = (self.k and room > 0 and req.num_tokens - req.num_computed_tokens == 1 and can_draft(req)
+            ok = (room > 0 and req.num_tokens - req.num_computed_tokens == 1 and can_draft(req)
                   and (not self.buckets or req.bucket in self.buckets))
             req.draft = propose(req.token_ids(), self.n, min(req.draft_len or self.k, room)) if ok else []
 
