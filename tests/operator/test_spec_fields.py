@@ -66,7 +66,7 @@ FIELDS = {
     "topology.prefillThresholdTokens": f"{LOGIC}::test_the_router_is_deployed_in_front_of_the_engines",
     "policyRef": "tests/k8s/test_operator.py::test_disaggregated_service_and_operator_restart",
     "buckets[].name": ROUTING,
-    "buckets[].priority": "tests/router/test_gateway.py::test_bucket_and_priority_reach_the_engine",
+    "buckets[].priority": "tests/router/test_gateway.py::test_bucket_priority_and_tpot_target_reach_the_engine",
     "buckets[].match.minPromptTokens": ROUTING,
     "buckets[].match.maxPromptTokens": ROUTING,
     "buckets[].match.maxOutputTokens": ROUTING,
