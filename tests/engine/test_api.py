@@ -99,6 +99,24 @@ def test_logprobs(client):
         assert item.logprob == pytest.approx(max(t.logprob for t in item.top_logprobs))  # greedy picks the top
 
 
+def test_streamed_logprobs_are_those_of_the_whole_answer(client):
+    """Tokens whose text is held back (a possible stop string, half a character) still bring their logprobs: the
+    stream's logprobs are the non-streamed answer's, token for token, chat and completions alike."""
+    kw = dict(model=MODEL, max_tokens=12, temperature=0, stop=["Paris"])
+    whole = client.chat.completions.create(messages=QUESTION, logprobs=True, **kw)
+    parts = [c.choices[0].logprobs.content for c in client.chat.completions.create(
+        messages=QUESTION, logprobs=True, stream=True, **kw) if c.choices and c.choices[0].logprobs]
+    assert [(t.token, t.logprob) for p in parts for t in p] == \
+        [(t.token, t.logprob) for t in whole.choices[0].logprobs.content]
+    prompt = "The capital of France is"
+    whole = client.completions.create(prompt=prompt, logprobs=1, **kw)
+    parts = [c.choices[0].logprobs for c in client.completions.create(prompt=prompt, logprobs=1, stream=True, **kw)
+             if c.choices and c.choices[0].logprobs]
+    lp = whole.choices[0].logprobs
+    assert [t for p in parts for t in p.tokens] == lp.tokens and lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(model="gpt-4"), "model 'gpt-4' is not served here"),
     (dict(temperature=-1), "temperature: must be in [0, 2]"),

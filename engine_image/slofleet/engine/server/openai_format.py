@@ -54,15 +54,21 @@ def _error_event(message: str) -> str:
     return sse({"error": {"message": message, "type": "server_error", "code": 500}})
 
 
-async def sse_stream(results: AsyncIterator[RequestOutput], base: dict, choice: Callable[[RequestOutput], dict],
-                     req: Request, include_usage: bool, first: dict | None = None):
-    """SSE chunks for the deltas that carry text or a finish, then usage (when asked) and [DONE]."""
+async def sse_stream(results: AsyncIterator[RequestOutput], base: dict,
+                     choice: Callable[[list[RequestOutput]], dict], req: Request, include_usage: bool,
+                     first: dict | None = None):
+    """SSE chunks for the deltas that carry text or a finish, then usage (when asked) and [DONE]. A delta without
+    text (held back for a stop string, or half a character) rides with the next chunk, so its tokens' logprobs
+    still reach the client."""
     if first is not None:
         yield sse({**base, "choices": [first]})
+    held: list[RequestOutput] = []
     try:
         async for out in results:
+            held.append(out)
             if out.new_text or out.finished:
-                yield sse({**base, "choices": [choice(out)]})
+                yield sse({**base, "choices": [choice(held)]})
+                held = []
     except Exception as e:  # headers are already sent: report in-band
         yield _error_event(str(e))
         return
@@ -80,11 +86,12 @@ def completion_handlers(engine: LLMEngine, body: CompletionRequest, req: Request
 
     offset = 0
 
-    def choice(out: RequestOutput) -> dict:
+    def choice(outs: list[RequestOutput]) -> dict:
         nonlocal offset
-        lp = completion_logprobs(engine, [out], offset) if want_lp else None
-        offset += len(out.new_text)
-        return {"index": 0, "text": out.new_text, "logprobs": lp, "finish_reason": out.finish_reason}
+        lp = completion_logprobs(engine, outs, offset) if want_lp else None
+        text = "".join(o.new_text for o in outs)
+        offset += len(text)
+        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": outs[-1].finish_reason}
 
     def chunks():
         return sse_stream(results, base, choice, req, include_usage)
@@ -105,9 +112,10 @@ def chat_handlers(engine: LLMEngine, body: ChatCompletionRequest, req: Request, 
     top_n = body.top_logprobs or 0
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def choice(out: RequestOutput) -> dict:
-        return {"index": 0, "delta": {"content": out.new_text} if out.new_text else {}, "finish_reason":
-                out.finish_reason, "logprobs": chat_logprobs(engine, [out], top_n) if body.logprobs else None}
+    def choice(outs: list[RequestOutput]) -> dict:
+        text = "".join(o.new_text for o in outs)
+        return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": outs[-1].finish_reason,
+                "logprobs": chat_logprobs(engine, outs, top_n) if body.logprobs else None}
 
     def chunks():
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
