@@ -80,6 +80,17 @@ class Cluster:
         return json.loads(r.stdout)["items"]
 
 
+PATH_ANNOTATION = "noderunner.slofleet.dev/path"  # tests/cluster/noderunner.py: its pods' PATH
+REAL_PATH = f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"
+
+
+def use_real_cli(cluster: Cluster, ns: str) -> None:
+    """The namespace's pods run the real `slofleet` CLI, not the fake engine this session's PATH finds first. As an
+    annotation, not a pod env PATH: the runner relocates env paths under a pod's mounts (/tmp), and a clone may
+    live under /tmp."""
+    cluster.kubectl("annotate", "namespace", ns, f"{PATH_ANNOTATION}={REAL_PATH}", "--overwrite")
+
+
 def engine_auth(cluster: Cluster, ns: str, service: str) -> dict[str, str]:
     """The header the router sends an engine of `service`: its internal token, from the operator's Secret (the node
     runner gives engine pods the env they take from it, as a kubelet does, so they refuse /v1/* without it)."""

@@ -15,15 +15,13 @@ import time
 import httpx
 import pytest
 
-from tests.k8s.conftest import REPO, engine_auth, log, wait_until
+from tests.k8s.conftest import REPO, engine_auth, log, use_real_cli, wait_until
 from tests.k8s.test_operator import UNIFIED, apply, condition, operator  # noqa: F401 (operator: a fixture)
 
 STABILIZE_S = 20
 SPEC = {"engine": {**UNIFIED["engine"], "maxNumSeqs": 2, "kvCacheMemoryGb": 0.25, "maxModelLen": 1024,
-                   # the pod's PATH finds the real CLI, not the operator tests' fake engine
-                   "env": {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
-                           # the machine's converted model, not a fresh emptyDir's conversion per pod
-                           "SLOFLEET_CACHE": os.path.expanduser("~/.cache/slofleet")}},
+                   # the machine's converted model, not a fresh emptyDir's conversion per pod
+                   "env": {"SLOFLEET_CACHE": os.path.expanduser("~/.cache/slofleet")}},
         "topology": {"unified": {"minReplicas": 1, "maxReplicas": 2}},
         "autoscaling": {"enabled": True, "intervalSeconds": 2, "scaleDownStabilizationSeconds": STABILIZE_S}}
 
@@ -87,6 +85,7 @@ def test_queue_growth_scales_up_and_idle_scales_down(crds, namespace, operator, 
     if not crds.local:
         pytest.skip("needs the test-only node runner (pods run the image elsewhere)")
     t0 = time.monotonic()
+    use_real_cli(crds, namespace)
     apply(crds, namespace, "scaled", SPEC)
     wait_until("Ready=True", lambda: condition(crds.get("llms", "scaled", namespace), "Ready") == "True", timeout=240)
     # Idle at the minimum: the autoscaler holds 1 replica and says why.

@@ -12,19 +12,15 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.cluster.services import LOCAL_URL
-from tests.k8s.conftest import REPO, apply_crds, log, wait_until
+from tests.k8s.conftest import REPO, apply_crds, log, use_real_cli, wait_until
 from tests.k8s.test_operator import apply, condition
 
-PATH_ANNOTATION = "noderunner.slofleet.dev/path"  # tests/cluster/noderunner.py: its pods' PATH
-REAL_PATH = f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"
 DRAIN_S = 5
 SPEC = {"engine": {"drainSeconds": DRAIN_S, "kvCacheMemoryGb": 0.5, "maxModelLen": 2048,
                    # the machine's converted model, not a fresh emptyDir's conversion per pod
@@ -38,7 +34,7 @@ CHILD_KINDS = "deployment,replicaset,pod,service,configmap,secret,serviceaccount
 
 def namespace(cluster, name: str) -> None:
     cluster.kubectl("create", "namespace", name)
-    cluster.kubectl("annotate", "namespace", name, f"{PATH_ANNOTATION}={REAL_PATH}")
+    use_real_cli(cluster, name)
 
 
 def install(cluster, how: str) -> str:

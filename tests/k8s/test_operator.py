@@ -3,7 +3,6 @@ rollout, status from real (node-runner) pods, the autoscaler contract, and a res
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from tests.k8s.conftest import REPO, engine_auth, free_ports, log, wait_until
+from tests.k8s.conftest import REPO, engine_auth, free_ports, log, use_real_cli, wait_until
 
 UNIFIED = {"engine": {"resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
                       "drainSeconds": 5, "maxNumSeqs": 8},
@@ -216,9 +215,8 @@ def test_real_engine_pod_serves(crds, namespace, operator):
     if not crds.local:
         pytest.skip("needs the test-only node runner (pods run the image elsewhere)")
     t0 = time.monotonic()
-    real_path = f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin"
-    spec = {"engine": {**UNIFIED["engine"], "kvCacheMemoryGb": 0.25, "maxModelLen": 2048,
-                       "env": {"PATH": real_path}},  # the pod's PATH finds the real CLI, not the fake
+    use_real_cli(crds, namespace)
+    spec = {"engine": {**UNIFIED["engine"], "kvCacheMemoryGb": 0.25, "maxModelLen": 2048},
             "topology": {"unified": {"replicas": 1}}, "buckets": UNIFIED["buckets"],
             "router": {"enabled": False}}  # the engine alone
     apply(crds, namespace, "real", spec)
