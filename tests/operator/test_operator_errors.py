@@ -10,28 +10,10 @@ from kubernetes.client.rest import ApiException
 from kubernetes.dynamic.exceptions import api_exception
 
 from slofleet.operator import handlers
+from tests.support.kube import StandInKube
 
 BODY = {"apiVersion": "slofleet.dev/v1alpha1", "kind": "LLMService",
         "metadata": {"name": "s", "namespace": "ns", "uid": "uid-1", "generation": 1}, "spec": {}}
-
-
-class StandInKube:
-    """Stands in for slofleet.operator.kube.Kube: no children yet, and every apply answered with `error`."""
-
-    def __init__(self, error: Exception):
-        self.error = error
-
-    def has_kind(self, api_version: str, kind: str) -> bool:
-        return False
-
-    def children(self, namespace: str, service: str) -> dict:
-        return {}
-
-    def pods(self, namespace: str, service: str) -> list:
-        return []
-
-    def apply(self, obj: dict) -> dict:
-        raise self.error
 
 
 def refusal(status: int, reason: str) -> Exception:

@@ -15,6 +15,7 @@ from slofleet.router import cli as router_cli
 from slofleet.router.kv_index import PrefixIndex, Subscriptions
 from slofleet.router.replicas import endpoints_from_slices
 from tests.operator.test_reconcile_logic import arg, build, engine, svc
+from tests.support.kube import StandInKube
 
 MEMORY = {"requests": {"cpu": "100m", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "2Gi"}}
 PRECISE = {"policy": "precise", "resources": MEMORY}
@@ -109,28 +110,9 @@ def test_a_router_memory_limit_too_small_for_the_model_is_warned_about():
         assert router.memory_warning(svc(spec)) is None
 
 
-class QuietKube:
-    """Stands in for slofleet.operator.kube.Kube: an empty namespace that takes every apply as given."""
-
-    def has_kind(self, api_version: str, kind: str) -> bool:
-        return False
-
-    def children(self, namespace: str, service: str) -> dict:
-        return {}
-
-    def pods(self, namespace: str, service: str) -> list:
-        return []
-
-    def apply(self, obj: dict) -> dict:
-        return obj
-
-    def patch_status(self, namespace: str, name: str, status: dict) -> None:
-        pass
-
-
 def test_the_warning_reaches_the_resource_as_an_event(monkeypatch):
     warned = []
-    monkeypatch.setattr(handlers, "_kube", QuietKube())
+    monkeypatch.setattr(handlers, "_kube", StandInKube())
     monkeypatch.setattr(kopf, "warn", lambda body, reason, message: warned.append((reason, message)))
     monkeypatch.setattr(kopf, "info", lambda body, reason, message: None)
     body = {"apiVersion": "slofleet.dev/v1alpha1", "kind": "LLMService",
