@@ -8,11 +8,14 @@ CPU path and the test oracle; the Triton kernels implement the same signature.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from . import paged_kernel
 
 
 @dataclass
@@ -60,8 +63,9 @@ class TorchAttention:
         k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
-    def _plan(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> dict:
-        """Gather indices and masks shared by all layers of one step.
+    def _plan(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> dict:
+        """Gather indices and masks shared by all layers of one step; the decodes go to the in-place kernel where it
+        takes this model's shapes.
 
         Context is gathered a whole block at a time (index_select over block ids): copying 16-token runs is
         tens of times faster than indexing token slots one by one, and the tail past each length is masked.
@@ -69,7 +73,13 @@ class TorchAttention:
         bs, device = self.block_size, k_cache.device
         qlens, slens = meta.query_lens_host, meta.seq_lens_host
         decodes = [i for i, q in enumerate(qlens) if q == 1 or q <= SHORT_QUERY and q < slens[i]]
-        decode_chunks = self._decode_chunks(meta, decodes, len(qlens), k_cache) if decodes else []
+        kernel, decode_chunks = None, []
+        if decodes and paged_kernel.usable(q, k_cache):
+            as_i32 = functools.partial(torch.as_tensor, dtype=torch.int32, device=device)
+            kernel = (as_i32(decodes), as_i32(qlens), meta.block_tables.to(torch.int32).contiguous(),
+                      meta.query_start_loc.to(torch.int32).contiguous(), meta.seq_lens.to(torch.int32).contiguous())
+        elif decodes:
+            decode_chunks = self._decode_chunks(meta, decodes, len(qlens), k_cache)
         if decode_chunks:
             rows = max(len(blocks) for _, blocks, _, _, _ in decode_chunks)
             if self.buffers is None or len(self.buffers[0]) < rows or self.buffers[0].dtype != k_cache.dtype:
@@ -85,7 +95,7 @@ class TorchAttention:
             qpos = torch.arange(L - q, L, device=device)
             mask = torch.arange(len(blocks) * bs, device=device)[None, :] <= qpos[:, None]
             prefill_info.append((start, q, blocks, mask))
-        return {"decode_chunks": decode_chunks, "prefill_info": prefill_info}
+        return {"kernel": kernel, "decode_chunks": decode_chunks, "prefill_info": prefill_info}
 
     def _decode_chunks(self, meta: AttentionMetadata, decodes: list[int], batch: int, k_cache: torch.Tensor) -> list:
         """(rows, blocks, mask, n, valid) per chunk of decodes. A chunk gathers at most GATHER_BYTES of K and V (or
@@ -138,9 +148,12 @@ class TorchAttention:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.cache is None:
-            meta.cache = self._plan(meta, k_cache)
+            meta.cache = self._plan(meta, q, k_cache)
         plan = meta.cache
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if plan["kernel"] is not None:
+            rows, qlens, tables, starts, lens = plan["kernel"]
+            paged_kernel.decode(q, k_cache, v_cache, tables, rows, starts, qlens, lens, out, scale)
         for rows, blocks, mask, n, valid in plan["decode_chunks"]:
             kk = self.gather(k_cache, blocks, n, self.buffers[0]).transpose(1, 2)  # [B, kvh, L, d]
             vv = self.gather(v_cache, blocks, n, self.buffers[1]).transpose(1, 2)

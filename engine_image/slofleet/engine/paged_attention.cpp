@@ -1,0 +1,242 @@
+// Decode attention over the paged KV cache, read in place (paged_kernel.py builds and calls it).
+//
+// The torch path copies every row's context blocks into new tensors before SDPA reads them; here each (row, KV
+// head) pair walks its block table and reads K and V where they lie, once, with an online softmax in fp32. A row
+// has a few query tokens (a decode, or a decode and its drafts): query j of q sees the context up to L - q + j.
+//
+// Layouts: q [T, H, D] with strides (q_tok, q_head) in elements; caches [blocks, block_size, KVH, D] contiguous;
+// out [T, H, D] contiguous; block_tables [B, bt_stride] int32. Query head h reads KV head h / (H / KVH), as the
+// checkpoints' repeat_kv does. dtype 0 = fp32, 1 = bf16 (widened to fp32 on load, rounded to nearest even on store).
+// With AVX-512 and the common head sizes, a template keeps a KV head's queries and accumulators in registers; other
+// shapes and CPUs take the plain loops, which the compiler vectorises as it can.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int MAX_D = 256, MAX_G = 16, SLICE = 16;  // SLICE: tokens scored together before the softmax update
+
+inline float bf16_load(uint16_t x) {
+    uint32_t u = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t bf16_store(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return uint16_t(u >> 16);
+}
+
+inline void load_row(const void *base, int64_t idx, int bf16, int d, float *dst) {
+    if (!bf16) {
+        std::memcpy(dst, static_cast<const float *>(base) + idx, size_t(d) * sizeof(float));
+        return;
+    }
+    const uint16_t *src = static_cast<const uint16_t *>(base) + idx;
+    for (int i = 0; i < d; i++) dst[i] = bf16_load(src[i]);
+}
+
+struct Row {  // one query token's view of its context
+    const void *k, *v;
+    const int32_t *table;
+    int visible, block_size;
+    int64_t stride, head;  // elements from one token to the next, and to this KV head
+    int64_t first(int start) const {
+        return (int64_t(table[start / block_size]) * block_size + start % block_size) * stride + head;
+    }
+    int span(int start) const {
+        int left = block_size - start % block_size, n = visible - start;
+        return std::min(std::min(left, n), SLICE);
+    }
+};
+
+// Plain loops: any head size and group, any x86 or other CPU.
+void attend_plain(const float *qv, int g, int d, const Row &r, float scale, int bf16, float *acc) {
+    float m[MAX_G], l[MAX_G], s[MAX_G][SLICE], row[MAX_D];
+    for (int h = 0; h < g; h++) m[h] = -INFINITY, l[h] = 0.0f;
+    std::memset(acc, 0, size_t(g) * d * sizeof(float));
+    for (int start = 0; start < r.visible;) {
+        int n = r.span(start);
+        int64_t first = r.first(start);
+        for (int t = 0; t < n; t++) {
+            load_row(r.k, first + t * r.stride, bf16, d, row);
+            for (int h = 0; h < g; h++) {
+                float dot = 0.0f;
+                for (int i = 0; i < d; i++) dot += qv[h * d + i] * row[i];
+                s[h][t] = dot * scale;
+            }
+        }
+        for (int h = 0; h < g; h++) {
+            float mx = m[h];
+            for (int t = 0; t < n; t++) mx = std::max(mx, s[h][t]);
+            float corr = m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mx);
+            l[h] *= corr;
+            for (int i = 0; i < d; i++) acc[h * d + i] *= corr;
+            for (int t = 0; t < n; t++) s[h][t] = std::exp(s[h][t] - mx), l[h] += s[h][t];
+            m[h] = mx;
+        }
+        for (int t = 0; t < n; t++) {
+            load_row(r.v, first + t * r.stride, bf16, d, row);
+            for (int h = 0; h < g; h++)
+                for (int i = 0; i < d; i++) acc[h * d + i] += s[h][t] * row[i];
+        }
+        start += n;
+    }
+    for (int h = 0; h < g; h++)
+        for (int i = 0; i < d; i++) acc[h * d + i] *= l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+}
+
+#if defined(__AVX512F__)
+template <bool BF16>
+inline __m512 load16(const void *base, int64_t idx) {
+    if constexpr (BF16) {  // bf16 is the top half of an fp32: widen and shift
+        __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(static_cast<const uint16_t *>(base) + idx));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+        return _mm512_loadu_ps(static_cast<const float *>(base) + idx);
+    }
+}
+
+// e^x for x <= 0: 2^k * p(r), a degree-6 polynomial, relative error under 2e-7; -inf (a padded slot) gives 0.
+inline __m512 exp16(__m512 x) {
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
+                                                  _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), _mm512_max_ps(x, _mm512_set1_ps(-87.0f)));
+    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.38873944e-3f);
+    for (float c : {8.33338592e-3f, 4.16666418e-2f, 0.166666672f, 0.5f, 1.0f, 1.0f})
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    __m512 e = _mm512_scalef_ps(p, k);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), e);
+}
+
+template <int D, int G, bool BF16>
+void attend_avx512(const float *qv, const Row &r, float scale, float *out) {
+    constexpr int C = D / 16;
+    __m512 q[G][C], acc[G][C];
+    float m[G], l[G];
+    alignas(64) float s[G][SLICE];
+    for (int h = 0; h < G; h++) {
+        m[h] = -INFINITY, l[h] = 0.0f;
+        for (int c = 0; c < C; c++) q[h][c] = _mm512_loadu_ps(qv + h * D + c * 16), acc[h][c] = _mm512_setzero_ps();
+    }
+    constexpr int BYTES = D * (BF16 ? 2 : 4);
+    for (int start = 0; start < r.visible;) {
+        int n = r.span(start);
+        int64_t first = r.first(start);
+        if (start + n < r.visible) {  // the next slice sits elsewhere (another block): ask for its lines now
+            int64_t next = r.first(start + n) * (BF16 ? 2 : 4);
+            for (int t = 0; t < r.span(start + n); t++)
+                for (int c = 0; c < BYTES; c += 64) {
+                    _mm_prefetch(static_cast<const char *>(r.k) + next + t * r.stride * (BF16 ? 2 : 4) + c, _MM_HINT_T0);
+                    _mm_prefetch(static_cast<const char *>(r.v) + next + t * r.stride * (BF16 ? 2 : 4) + c, _MM_HINT_T0);
+                }
+        }
+        for (int t = 0; t < SLICE; t++) {
+            if (t >= n) {
+                for (int h = 0; h < G; h++) s[h][t] = -INFINITY;
+                continue;
+            }
+            __m512 kv[C];
+            for (int c = 0; c < C; c++) kv[c] = load16<BF16>(r.k, first + t * r.stride + c * 16);
+            for (int h = 0; h < G; h++) {
+                __m512 dot = _mm512_mul_ps(q[h][0], kv[0]);
+                for (int c = 1; c < C; c++) dot = _mm512_fmadd_ps(q[h][c], kv[c], dot);
+                s[h][t] = _mm512_reduce_add_ps(dot) * scale;
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            __m512 sv = _mm512_load_ps(s[h]);
+            float mx = std::max(m[h], _mm512_reduce_max_ps(sv));
+            float corr = m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mx);
+            __m512 e = exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mx)));
+            l[h] = l[h] * corr + _mm512_reduce_add_ps(e);
+            m[h] = mx;
+            _mm512_store_ps(s[h], e);
+            for (int c = 0; c < C; c++) acc[h][c] = _mm512_mul_ps(acc[h][c], _mm512_set1_ps(corr));
+        }
+        for (int t = 0; t < n; t++) {
+            __m512 vv[C];
+            for (int c = 0; c < C; c++) vv[c] = load16<BF16>(r.v, first + t * r.stride + c * 16);
+            for (int h = 0; h < G; h++) {
+                __m512 p = _mm512_set1_ps(s[h][t]);
+                for (int c = 0; c < C; c++) acc[h][c] = _mm512_fmadd_ps(p, vv[c], acc[h][c]);
+            }
+        }
+        start += n;
+    }
+    for (int h = 0; h < G; h++) {
+        __m512 inv = _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(out + h * D + c * 16, _mm512_mul_ps(acc[h][c], inv));
+    }
+}
+
+template <int D, int G>
+bool dispatch_g(const float *qv, int g, const Row &r, float scale, int bf16, float *out) {
+    if constexpr (G > 8) {
+        return false;
+    } else {
+        if (g != G) return dispatch_g<D, G + 1>(qv, g, r, scale, bf16, out);
+        bf16 ? attend_avx512<D, G, true>(qv, r, scale, out) : attend_avx512<D, G, false>(qv, r, scale, out);
+        return true;
+    }
+}
+#endif
+
+void attend(const float *qv, int g, int d, const Row &r, float scale, int bf16, float *out) {
+#if defined(__AVX512F__)
+    if (d == 64 && dispatch_g<64, 1>(qv, g, r, scale, bf16, out)) return;
+    if (d == 128 && dispatch_g<128, 1>(qv, g, r, scale, bf16, out)) return;
+#endif
+    attend_plain(qv, g, d, r, scale, bf16, out);
+}
+
+}  // namespace
+
+// rows: which batch rows to attend (the decodes); query_start, query_len, seq_len: per batch row. Returns 0, or
+// -1 when the shapes exceed the stack buffers (paged_kernel.usable checks first: a guard only).
+extern "C" int paged_decode(const void *q, int64_t q_tok, int64_t q_head, const void *k_cache, const void *v_cache,
+                            const int32_t *block_tables, int64_t bt_stride, const int32_t *rows, int n_rows,
+                            const int32_t *query_start, const int32_t *query_len, const int32_t *seq_len, void *out,
+                            int heads, int kv_heads, int d, int block_size, float scale, int bf16, int threads) {
+    int g = heads / kv_heads;
+    if (d > MAX_D || g > MAX_G || heads % kv_heads) return -1;
+    // A work item is a row with all its KV heads when there are rows enough to share: the heads of a token lie
+    // side by side, so the first head's pass brings the others' lines into the cache as one sequential stream.
+    // With few rows (a lone long decode), each (row, head) is an item, so every thread has work.
+    int per_item = n_rows >= 2 * threads ? kv_heads : 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int item = 0; item < n_rows * kv_heads / per_item; item++) {
+        float qv[MAX_G * MAX_D], acc[MAX_G * MAX_D];
+        for (int part = 0; part < per_item; part++) {
+            int b = rows[(item * per_item + part) / kv_heads], kvh = (item * per_item + part) % kv_heads;
+            int q_n = query_len[b];
+            for (int j = 0; j < q_n; j++) {
+                int64_t tok = query_start[b] + j;
+                for (int h = 0; h < g; h++)
+                    load_row(q, tok * q_tok + int64_t(kvh * g + h) * q_head, bf16, d, qv + h * d);
+                Row r{k_cache, v_cache, block_tables + int64_t(b) * bt_stride, seq_len[b] - q_n + j + 1, block_size,
+                      int64_t(kv_heads) * d, int64_t(kvh) * d};
+                attend(qv, g, d, r, scale, bf16, acc);
+                int64_t o = (tok * heads + int64_t(kvh) * g) * d;
+                if (!bf16) {
+                    std::memcpy(static_cast<float *>(out) + o, acc, size_t(g) * d * sizeof(float));
+                } else {
+                    uint16_t *dst = static_cast<uint16_t *>(out) + o;
+                    for (int i = 0; i < g * d; i++) dst[i] = bf16_store(acc[i]);
+                }
+            }
+        }
+    }
+    return 0;
+}
