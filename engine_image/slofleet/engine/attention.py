@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from . import paged_kernel
+from . import cpu_kernels
 
 
 @dataclass
@@ -74,7 +74,7 @@ class TorchAttention:
         qlens, slens = meta.query_lens_host, meta.seq_lens_host
         decodes = [i for i, q in enumerate(qlens) if q == 1 or q <= SHORT_QUERY and q < slens[i]]
         kernel, decode_chunks = None, []
-        if decodes and paged_kernel.usable(q, k_cache):
+        if decodes and cpu_kernels.attention_usable(q, k_cache):
             as_i32 = functools.partial(torch.as_tensor, dtype=torch.int32, device=device)
             kernel = (as_i32(decodes), as_i32(qlens), meta.block_tables.to(torch.int32).contiguous(),
                       meta.query_start_loc.to(torch.int32).contiguous(), meta.seq_lens.to(torch.int32).contiguous())
@@ -153,7 +153,7 @@ class TorchAttention:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan["kernel"] is not None:
             rows, qlens, tables, starts, lens = plan["kernel"]
-            paged_kernel.decode(q, k_cache, v_cache, tables, rows, starts, qlens, lens, out, scale)
+            cpu_kernels.decode(q, k_cache, v_cache, tables, rows, starts, qlens, lens, out, scale)
         for rows, blocks, mask, n, valid in plan["decode_chunks"]:
             kk = self.gather(k_cache, blocks, n, self.buffers[0]).transpose(1, 2)  # [B, kvh, L, d]
             vv = self.gather(v_cache, blocks, n, self.buffers[1]).transpose(1, 2)

@@ -10,6 +10,7 @@ import math
 import torch
 from torch import nn
 
+from . import cpu_kernels
 from .attention import AttentionBackend, AttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -67,6 +68,8 @@ class Rotary:
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # Rotate-half convention, as in the Hugging Face checkpoints: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s], in fp32.
+    if cpu_kernels.rope_usable(x):
+        return cpu_kernels.rope(x, cos, sin)  # in place
     xf = x.float()
     return xf.roll(xf.shape[-1] // 2, -1).mul_(sin).add_(xf * cos).to(x.dtype)
 
@@ -94,7 +97,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x) * weight, after adding delta to x in place (the residual add before it, fused on the CPU)."""
+        if x.is_contiguous() and cpu_kernels.usable(x, self.weight):
+            return cpu_kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        if delta is not None:
+            x.add_(delta)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -116,17 +124,19 @@ class DecoderLayer(nn.Module):
         self.attention = attention
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, delta, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        """x: the residual stream; delta: what the layer before adds to it (None for the first), added in the input
+        norm. Returns the stream and this layer's own delta, in the same form."""
         hd, nq = self.head_dim, self.n_heads * self.head_dim
-        qkv = dense(self.input_layernorm(x), self.qkv_proj).contiguous()  # V goes to the KV-store kernel
+        qkv = dense(self.input_layernorm(x, delta), self.qkv_proj).contiguous()  # V goes to the KV-store kernel
         # q and k rotate together: one pass over both instead of two
-        qk = rotate(qkv[:, :nq + self.n_kv * hd].reshape(-1, self.n_heads + self.n_kv, hd), cos, sin)
+        qk = rotate(qkv[:, :nq + self.n_kv * hd].unflatten(1, (self.n_heads + self.n_kv, hd)), cos, sin)
         q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
         v = qkv[:, nq + self.n_kv * hd:].reshape(-1, self.n_kv, hd)
         o = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        x = x + dense(o.reshape(-1, nq), self.o_proj)
-        gate, up = dense(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
-        return x + dense(nn.functional.silu(gate).mul_(up), self.down_proj)
+        gate, up = dense(self.post_attention_layernorm(x, dense(o.reshape(-1, nq), self.o_proj)),
+                         self.gate_up_proj).chunk(2, dim=-1)
+        return x, dense(nn.functional.silu(gate).mul_(up), self.down_proj)
 
 
 class CausalLM(nn.Module):
@@ -148,11 +158,11 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) for the rows in logits_indices only: prompt positions never reach the LM head."""
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None
         cos, sin = self.rotary.at(positions)
         for layer, (kc, vc) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kc, vc, meta)
-        logits = dense(self.norm(x[logits_indices]), self.lm_head)
+            x, delta = layer(x, delta, cos, sin, kc, vc, meta)
+        logits = dense(self.norm(x, delta)[logits_indices], self.lm_head)
         if logits.dtype == torch.float32:  # to() hands an fp32 tensor back as it is, whatever memory_format says
             return logits.contiguous()
         return logits.to(torch.float32, memory_format=torch.contiguous_format)  # one copy, not .float().contiguous()

@@ -1,4 +1,4 @@
-// Decode attention over the paged KV cache, read in place (paged_kernel.py builds and calls it).
+// Decode attention over the paged KV cache, read in place (cpu_kernels.py builds and calls it).
 //
 // The torch path copies every row's context blocks into new tensors before SDPA reads them; here each (row, KV
 // head) pair walks its block table and reads K and V where they lie, once, with an online softmax in fp32. A row
@@ -14,28 +14,17 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+
+#include "cpu_kernels.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+using namespace slofleet;
+
 namespace {
 
 constexpr int MAX_D = 256, MAX_G = 16, SLICE = 16;  // SLICE: tokens scored together before the softmax update
-
-inline float bf16_load(uint16_t x) {
-    uint32_t u = uint32_t(x) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-inline uint16_t bf16_store(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return uint16_t(u >> 16);
-}
 
 inline void load_row(const void *base, int64_t idx, int bf16, int d, float *dst) {
     if (!bf16) {
@@ -43,7 +32,7 @@ inline void load_row(const void *base, int64_t idx, int bf16, int d, float *dst)
         return;
     }
     const uint16_t *src = static_cast<const uint16_t *>(base) + idx;
-    for (int i = 0; i < d; i++) dst[i] = bf16_load(src[i]);
+    for (int i = 0; i < d; i++) dst[i] = bf16_widen(src[i]);
 }
 
 struct Row {  // one query token's view of its context
@@ -204,7 +193,7 @@ void attend(const float *qv, int g, int d, const Row &r, float scale, int bf16, 
 }  // namespace
 
 // rows: which batch rows to attend (the decodes); query_start, query_len, seq_len: per batch row. Returns 0, or
-// -1 when the shapes exceed the stack buffers (paged_kernel.usable checks first: a guard only).
+// -1 when the shapes exceed the stack buffers (cpu_kernels.attention_usable checks first: a guard only).
 extern "C" int paged_decode(const void *q, int64_t q_tok, int64_t q_head, const void *k_cache, const void *v_cache,
                             const int32_t *block_tables, int64_t bt_stride, const int32_t *rows, int n_rows,
                             const int32_t *query_start, const int32_t *query_len, const int32_t *seq_len, void *out,
@@ -233,7 +222,7 @@ extern "C" int paged_decode(const void *q, int64_t q_tok, int64_t q_head, const 
                     std::memcpy(static_cast<float *>(out) + o, acc, size_t(g) * d * sizeof(float));
                 } else {
                     uint16_t *dst = static_cast<uint16_t *>(out) + o;
-                    for (int i = 0; i < g * d; i++) dst[i] = bf16_store(acc[i]);
+                    for (int i = 0; i < g * d; i++) dst[i] = bf16_round(acc[i]);
                 }
             }
         }

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from . import cuda_graphs, dtype_probe, paged_kernel
+from . import cpu_kernels, cuda_graphs, dtype_probe
 from .attention import AttentionBackend, AttentionMetadata, TorchAttention
 from .config import EngineConfig
 from .loader import load_config, read_tensors
@@ -35,7 +35,7 @@ class ModelRunner:
             from .triton_attention import TritonAttention  # lazy: the CPU path never imports triton
             self.attention = TritonAttention(config.block_size)
         else:
-            paged_kernel.load()  # built (seconds, once per machine) at start rather than in the first decode
+            cpu_kernels.load()  # built (seconds, once per machine) at start rather than in the first decode
             self.attention = TorchAttention(config.block_size)
         self.max_len, self.max_num_seqs, self.graphs = max_len, config.max_num_seqs, None
         self.use_cuda_graphs = config.cuda_graphs

@@ -1,0 +1,125 @@
+"""The engine's CPU kernels (paged_attention.cpp, fused_ops.cpp): built once per machine, called with ctypes.
+
+They are plain C++, not a torch extension, so building takes seconds with the system's compiler and needs no torch
+headers or ninja; the shared object is cached under `$SLOFLEET_CACHE/kernels`, keyed by the sources and the CPU,
+since it is built for the CPU it runs on (-march=native). It uses torch's own OpenMP runtime (torch loads libgomp
+first), so its threads are torch's. Where no compiler is found or the build fails, `load()` answers None and the
+torch ops run as before; the log says why once. Tensors are fp32 or bf16 on the CPU; anything else takes torch.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .dtype_probe import cpu_model
+from .loader import cache_root
+
+log = logging.getLogger("slofleet.engine.kernel")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "paged_attention.cpp", HERE / "fused_ops.cpp"]
+HEADERS = [HERE / "cpu_kernels.h"]
+# No contraction of a * b + c into one FMA: the torch ops these replace round the product first.
+FLAGS = ["-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC",
+         "-shared"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_HEAD_DIM, MAX_GROUP, MAX_HIDDEN = 256, 16, 1 << 20  # the kernels' stack buffers (rope's rows: 1024)
+DISABLE = "SLOFLEET_NO_KERNELS"  # set to 1 to run the torch ops (a comparison, or a machine whose build misbehaves)
+
+_i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+SIGNATURES = {
+    "paged_decode": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32, _ptr, _ptr, _ptr, _ptr,
+                     _i32, _i32, _i32, _i32, _f32, _i32, _i32],
+    "add_rms_norm": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _f32, _i32, _i32],
+    "rope": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
+}
+
+
+def build(out: Path) -> None:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise FileNotFoundError("no C++ compiler (c++ or g++) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # a whole file or none: builds may race
+        part = Path(tmp) / out.name
+        subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(part)], check=True, capture_output=True,
+                       text=True, timeout=180)
+        os.replace(part, out)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    if os.environ.get(DISABLE) == "1":
+        return None
+    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()
+    key = hashlib.sha256(text + cpu_model().encode() + torch.__version__.encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
+    try:
+        if not path.exists():
+            build(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("CPU kernels unavailable, using torch ops: %s", str(detail).strip()[:300])
+        return None
+    for name, args in SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+    log.info("CPU kernels: %s", path)
+    return lib
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: on the CPU, one dtype they know, and built."""
+    first = tensors[0]
+    return (first.device.type == "cpu" and first.dtype in DTYPES and all(t.dtype == first.dtype for t in tensors)
+            and load() is not None)
+
+
+def attention_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the decode-attention kernel takes this layer's shapes (else the torch path does)."""
+    heads, kv_heads, d = q.shape[1], k_cache.shape[2], q.shape[2]
+    return (q.stride(-1) == 1 and k_cache.is_contiguous() and d <= MAX_HEAD_DIM and heads % kv_heads == 0
+            and heads // kv_heads <= MAX_GROUP and usable(q, k_cache))
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+           rows: torch.Tensor, query_start: torch.Tensor, query_len: torch.Tensor, seq_len: torch.Tensor,
+           out: torch.Tensor, scale: float) -> None:
+    """Attention of `rows` (int32 batch rows, each a few query tokens over its cached context) into out's tokens.
+    block_tables, query_start, query_len and seq_len are int32 and contiguous, one entry per batch row."""
+    heads, d = q.shape[1], q.shape[2]
+    rc = load().paged_decode(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                             block_tables.data_ptr(), block_tables.stride(0), rows.data_ptr(), len(rows),
+                             query_start.data_ptr(), query_len.data_ptr(), seq_len.data_ptr(), out.data_ptr(),
+                             heads, k_cache.shape[2], d, k_cache.shape[1], scale, DTYPES[q.dtype],
+                             torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"paged decode kernel refused heads={heads} kv_heads={k_cache.shape[2]} head_dim={d}")
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta in place (delta may be strided), then RMSNorm(x) * weight into a new tensor."""
+    out = torch.empty_like(x)
+    y, ys = (delta.data_ptr(), delta.stride()) if delta is not None else (None, (0, 0))
+    load().add_rms_norm(x.data_ptr(), y, ys[0], ys[1], weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                        eps, DTYPES[x.dtype], torch.get_num_threads())
+    return out
+
+
+def rope_usable(qk: torch.Tensor) -> bool:
+    return qk.stride(2) == 1 and qk.stride(1) == qk.shape[2] and qk.shape[2] <= 1024 and usable(qk)
+
+
+def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [rows, heads, dim] (heads contiguous in a row) in place by contiguous fp32 cos/sin rows; returns it."""
+    load().rope(qk.data_ptr(), qk.stride(0), cos.data_ptr(), sin.data_ptr(), qk.shape[0], qk.shape[1], qk.shape[2],
+                DTYPES[qk.dtype], torch.get_num_threads())
+    return qk

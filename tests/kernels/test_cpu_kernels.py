@@ -1,0 +1,115 @@
+"""The CPU kernels against the torch ops they replace: paged decode attention (paged_attention.cpp), the fused
+residual add + RMSNorm and rotary embedding (fused_ops.cpp); and the fallback without a compiler."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from slofleet.engine import cpu_kernels
+from slofleet.engine.attention import TorchAttention
+from slofleet.engine.model import RMSNorm, Rotary, rotate
+from tests.kernels.test_attention import make_batch
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler here to build the kernels")
+
+SPANS = [(1, 300), (1, 1), (1, 17), (5, 300), (1, 33), (17, 40), (20, 60), (33, 33), (4, 4), (1, 129)]
+
+
+def attend(spans, block_size, heads, kv_heads, dim, dtype, kernel: bool, monkeypatch, seed=0):
+    meta, k_cache, v_cache = make_batch(spans, block_size, kv_heads, dim, dtype, seed)
+    total = sum(q for q, _ in spans)
+    gen = torch.Generator().manual_seed(seed + 7)
+    # q as a view of the fused q/k rotation's output, as model.py passes it (rows strided past the K heads)
+    qk = torch.randn((total, heads + kv_heads, dim), generator=gen).to(dtype)
+    q, k = qk[:, :heads], qk[:, heads:]
+    v = torch.randn((total, kv_heads, dim), generator=gen).to(dtype)
+    with monkeypatch.context() as m:
+        if not kernel:
+            m.setattr(cpu_kernels, "attention_usable", lambda *a: False)
+        return TorchAttention(block_size).forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (12, 1, 64), (6, 2, 80)])
+def test_kernel_matches_the_gather_path(dtype, block_size, heads, kv_heads, dim, monkeypatch):
+    """Decodes, drafts (a few queries over a cache), prompts and prefill chunks in one batch; AVX-512 templates
+    (head dims 64 and 128, groups up to 8) and the plain loops (a group of 12, head dim 80) alike."""
+    assert cpu_kernels.attention_usable(torch.zeros(1, heads, dim, dtype=dtype),
+                               torch.zeros(1, block_size, kv_heads, dim, dtype=dtype))
+    got = attend(SPANS, block_size, heads, kv_heads, dim, dtype, True, monkeypatch, seed=block_size + heads)
+    want = attend(SPANS, block_size, heads, kv_heads, dim, dtype, False, monkeypatch, seed=block_size + heads)
+    # bf16: both round the same fp32-accumulated result once; an ulp apart at most
+    atol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+
+
+def test_shapes_it_does_not_take_go_to_torch():
+    q = torch.zeros(2, 8, 64)
+    assert not cpu_kernels.attention_usable(q.half(), torch.zeros(1, 16, 2, 64).half())  # fp16: the torch path
+    assert not cpu_kernels.attention_usable(q, torch.zeros(1, 16, 2, 64).bfloat16())  # mixed dtypes
+    assert not cpu_kernels.attention_usable(torch.zeros(2, 8, 512), torch.zeros(1, 16, 2, 512))  # head dim over 256
+    strided = torch.zeros(2, 8, 64)[..., ::2]
+    assert not cpu_kernels.attention_usable(strided, torch.zeros(1, 16, 2, 32))
+
+
+def test_without_a_compiler_the_engine_keeps_the_torch_path(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SLOFLEET_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="slofleet.engine.kernel"):
+            assert cpu_kernels.load() is None
+        assert "using torch ops" in caplog.text
+        assert not cpu_kernels.attention_usable(torch.zeros(1, 9, 64), torch.zeros(1, 16, 3, 64))
+        assert not list(tmp_path.rglob("*.so"))
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
+def torch_path(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "usable", lambda *a: False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("delta_layout", [None, "rows", "columns"])
+def test_add_rms_norm_matches_torch(dtype, rows, delta_layout, monkeypatch):
+    """The residual add and RMSNorm in one pass: x updated in place and the normalised rows as torch computes them,
+    with the delta as a W @ x.T product hands it over (column-major) or row-major."""
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn((rows, 576), generator=gen) * 3).to(dtype)
+    delta = {None: None, "rows": torch.randn((rows, 576), generator=gen).to(dtype),
+             "columns": torch.randn((576, rows), generator=gen).to(dtype).T}[delta_layout]
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=gen) + 0.5)
+        x2 = x.clone()
+        got = norm(x, delta)
+        with monkeypatch.context() as m:
+            torch_path(m)
+            want = norm(x2, delta)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one rounding apart where a sum's order differs
+    torch.testing.assert_close(x, x2, atol=0, rtol=0)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 200])
+def test_rope_matches_torch(dtype, rows, monkeypatch):
+    """q and k heads rotated in place inside the fused qkv rows, V untouched, as the torch ops rotate them."""
+    config = SimpleNamespace(rope_parameters={"rope_theta": 100000.0, "rope_type": "default"})
+    rotary = Rotary(config, 64, 4096)
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn((rows, 15 * 64), generator=gen).to(dtype)
+    cos, sin = rotary.at(torch.randint(0, 4096, (rows,), generator=gen))
+    with monkeypatch.context() as m:
+        torch_path(m)
+        want = rotate(qkv[:, :12 * 64].unflatten(1, (12, 64)), cos, sin)
+    v = qkv[:, 12 * 64:].clone()
+    got = rotate(qkv[:, :12 * 64].unflatten(1, (12, 64)), cos, sin)
+    assert got.data_ptr() == qkv.data_ptr()  # in place, no copy
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(qkv[:, 12 * 64:], v, atol=0, rtol=0)
