@@ -20,6 +20,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -90,9 +91,11 @@ def report(system: str, rate: float, results: list[Result]) -> dict:
     ok = [r for r in results if r.status == 200 and r.e2e is not None]
     span = max((r.start + r.e2e for r in ok), default=0.0) - min((r.start for r in results), default=0.0)
     met = sum(within(r, slo[r.bucket]) for r in results) / max(1, len(results))
-    print(f"{system:18s} {rate:5.2f} {'ALL':12s} {len(results):4d}  within SLO {met * 100:.1f}%, "
-          f"{len(results) - len(ok)} failed, {sum(r.tokens for r in ok) / max(span, 1e-9):.1f} output tok/s",
-          flush=True)
+    why = Counter(r.error or f"status {r.status}" for r in results if r not in ok)
+    failed = f"{len(results) - len(ok)} failed" + (f" ({', '.join(f'{n} x {e[:60]}' for e, n in why.items())})"
+                                                   if why else "")
+    print(f"{system:18s} {rate:5.2f} {'ALL':12s} {len(results):4d}  within SLO {met * 100:.1f}%, {failed}, "
+          f"{sum(r.tokens for r in ok) / max(span, 1e-9):.1f} output tok/s", flush=True)
     return rows | {"all": dict(n=len(results), slo=met, failed=len(results) - len(ok))}
 
 
@@ -124,8 +127,9 @@ def main() -> int:
         proc = start(cmd, url, logs / f"load-{name.replace(' ', '_')}.log", ready)
         try:
             asyncio.run(warm_up(url, model))
-            for rate in args.rates:
-                results = asyncio.run(run_rate(url, model, rate, args.requests, 0, args.give_up))
+            # a seed per rate: the same server would otherwise answer a later rate's prompts from its prefix cache
+            for seed, rate in enumerate(args.rates):
+                results = asyncio.run(run_rate(url, model, rate, args.requests, seed, args.give_up))
                 report(name, rate, results)
         finally:
             proc.terminate()

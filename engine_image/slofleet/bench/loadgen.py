@@ -97,6 +97,9 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, bucket: st
                     times.append(time.perf_counter())
                     if cancel_after is not None and len(times) >= cancel_after:
                         return Result(bucket, 499, tokens=len(times), start=t0 - origin)
+                elif choice.get("finish_reason") and not times:
+                    # an answer without text (the model's first token ends it): its one token arrived now
+                    times.append(time.perf_counter())
     except httpx.HTTPError as e:
         return Result(bucket, 0, error=repr(e), start=t0 - origin)
     end = time.perf_counter()
