@@ -14,6 +14,10 @@ reach). The table shows the median tokens/s, the ratio to transformers generate_
 of the limit reached (limit_s of that run's prompts over its time). llama.cpp (llama-cpp-python, sequential, on
 the same GGUF) is included when installed.
 
+Beside it, a memory floor the FLOP limit leaves out: every decode step reads all the weights (134.5M parameters, in
+the dtype of the faster decode GEMM), at best at the machine's read bandwidth measured in the same run; prefill at
+the GEMM rate plus 31 such steps gives the fraction of the FLOP limit any engine could reach here.
+
 --speculative K adds LLM(num_speculative_tokens=K) (n-gram drafts) beside LLM() defaults, on this workload and on a
 quoting one (the same notes, each prompt asking for them back word for word; rows marked [quote]), in the same
 rounds, and prints the ratio of the two per workload.
@@ -70,6 +74,26 @@ def limit_seconds(rates: dict[str, dict[str, float]], prompt_tokens: int) -> flo
     prefill = max(max(rates["prefill 2048"].values()), max(rates["prefill 512"].values()))
     decode = max(rates["decode 16"].values())
     return (prompt_tokens * PREFILL_FLOP / prefill + N_PROMPTS * (OUT_TOKENS - 1) * DECODE_FLOP / decode) / 1e9
+
+
+def read_gbps() -> float:
+    """Memory read bandwidth (GB/s): the best of 5 sums over a 512 MiB fp32 tensor, at the benchmark's threads."""
+    big = torch.ones(1 << 27)
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        big.sum()
+        best = max(best, big.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def floor_seconds(rates: dict[str, dict[str, float]], prompt_tokens: int, gbps: float) -> float:
+    """Prefill at the GEMM rate, then each decode step at least one read of the weights (see the docstring)."""
+    prefill = max(max(rates["prefill 2048"].values()), max(rates["prefill 512"].values()))
+    decode = max(rates["decode 16"], key=rates["decode 16"].get)
+    weights = DECODE_FLOP / 2 * (2 if decode == "bf16" else 4)
+    step = max(N_PROMPTS * DECODE_FLOP / (rates["decode 16"][decode] * 1e9), weights / (gbps * 1e9))
+    return prompt_tokens * PREFILL_FLOP / (prefill * 1e9) + (OUT_TOKENS - 1) * step
 
 
 def run_hf_generate(model, ids, _texts) -> int:
@@ -206,6 +230,10 @@ def main() -> int:
         f"bf16 {statistics.median(g[shape]['bf16'] for g in gemm):.0f}" for shape in GEMM_SHAPES))
     limit = statistics.median(N_PROMPTS * OUT_TOKENS / limit_seconds(g, sum(map(len, ids))) for g in gemm)
     print(f"FLOP limit of the workload: {limit:.1f} tok/s (at the last prompts' {sum(map(len, ids))} prompt tokens)")
+    gbps = read_gbps()
+    floor = N_PROMPTS * OUT_TOKENS / floor_seconds(gemm[-1], sum(map(len, ids)), gbps)
+    print(f"memory floor: weights read once per decode step at {gbps:.1f} GB/s bound any engine to {floor:.1f} tok/s, "
+          f"{floor / limit:.0%} of the FLOP limit")
     base = statistics.median(rates.get("transformers generate_batch(), fp32", [0])) or None
     print(f"{'system':45s} {'tok/s (median)':>15s} {'x generate_batch':>17s} {'of limit':>9s}")
     for name, r in rates.items():
