@@ -9,7 +9,7 @@ import torch
 
 from slofleet.engine import cpu_kernels
 from slofleet.engine.attention import TorchAttention
-from slofleet.engine.model import RMSNorm, Rotary, rotate
+from slofleet.engine.model import RMSNorm, Rotary, rotate, silu_mul
 from tests.kernels.test_attention import make_batch
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler here to build the kernels")
@@ -113,3 +113,17 @@ def test_rope_matches_torch(dtype, rows, monkeypatch):
     assert got.data_ptr() == qkv.data_ptr()  # in place, no copy
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     torch.testing.assert_close(qkv[:, 12 * 64:], v, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows,inter", [(8, 1536), (300, 1536), (9, 1541)])  # a row tail past 16 lanes too
+def test_silu_mul_rounds_as_torch_in_bf16(rows, inter, monkeypatch):
+    """The fused SiLU-and-mul (AVX-512 CPUs): bf16 results bit for bit those of silu(gate).mul_(up)."""
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn((rows, 2 * inter), generator=gen) * 4).to(torch.bfloat16)
+    if cpu_kernels.silu_mul(gate_up) is None:
+        pytest.skip("no AVX-512 on this CPU: the kernel is not built and torch's ops run")
+    got = silu_mul(gate_up)
+    with monkeypatch.context() as m:
+        torch_path(m)
+        want = silu_mul(gate_up)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

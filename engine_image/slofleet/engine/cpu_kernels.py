@@ -40,6 +40,7 @@ SIGNATURES = {
                      _i32, _i32, _i32, _i32, _f32, _i32, _i32],
     "add_rms_norm": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _f32, _i32, _i32],
     "rope": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
+    "silu_mul": [_ptr, _i64, _ptr, _i64, _i64, _i32, _i32],
 }
 
 
@@ -112,6 +113,16 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     load().add_rms_norm(x.data_ptr(), y, ys[0], ys[1], weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                         eps, DTYPES[x.dtype], torch.get_num_threads())
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of a fused [rows, 2 x inter] projection with contiguous rows; None where the kernel has no
+    build for this CPU (no AVX-512), so the caller runs torch's ops."""
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype)
+    rc = load().silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, DTYPES[gate_up.dtype],
+                         torch.get_num_threads())
+    return out if rc == 0 else None
 
 
 def rope_usable(qk: torch.Tensor) -> bool:

@@ -13,12 +13,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <initializer_list>
 
 #include "cpu_kernels.h"
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 using namespace slofleet;
 
@@ -86,29 +82,6 @@ void attend_plain(const float *qv, int g, int d, const Row &r, float scale, int 
 }
 
 #if defined(__AVX512F__)
-template <bool BF16>
-inline __m512 load16(const void *base, int64_t idx) {
-    if constexpr (BF16) {  // bf16 is the top half of an fp32: widen and shift
-        __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(static_cast<const uint16_t *>(base) + idx));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-        return _mm512_loadu_ps(static_cast<const float *>(base) + idx);
-    }
-}
-
-// e^x for x <= 0: 2^k * p(r), a degree-6 polynomial, relative error under 2e-7; -inf (a padded slot) gives 0.
-inline __m512 exp16(__m512 x) {
-    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
-                                                  _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), _mm512_max_ps(x, _mm512_set1_ps(-87.0f)));
-    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.38873944e-3f);
-    for (float c : {8.33338592e-3f, 4.16666418e-2f, 0.166666672f, 0.5f, 1.0f, 1.0f})
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    __m512 e = _mm512_scalef_ps(p, k);
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), e);
-}
-
 template <int D, int G, bool BF16>
 void attend_avx512(const float *qv, const Row &r, float scale, float *out) {
     constexpr int C = D / 16;
