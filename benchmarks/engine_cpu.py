@@ -70,10 +70,13 @@ def gemm_rates() -> dict[str, dict[str, float]]:
             for shape, rows in GEMM_SHAPES.items()}
 
 
+def prefill_seconds(rates: dict[str, dict[str, float]], prompt_tokens: int) -> float:
+    return prompt_tokens * PREFILL_FLOP / max(*rates["prefill 2048"].values(), *rates["prefill 512"].values()) / 1e9
+
+
 def limit_seconds(rates: dict[str, dict[str, float]], prompt_tokens: int) -> float:
-    prefill = max(max(rates["prefill 2048"].values()), max(rates["prefill 512"].values()))
     decode = max(rates["decode 16"].values())
-    return (prompt_tokens * PREFILL_FLOP / prefill + N_PROMPTS * (OUT_TOKENS - 1) * DECODE_FLOP / decode) / 1e9
+    return prefill_seconds(rates, prompt_tokens) + N_PROMPTS * (OUT_TOKENS - 1) * DECODE_FLOP / decode / 1e9
 
 
 def read_gbps() -> float:
@@ -89,11 +92,10 @@ def read_gbps() -> float:
 
 def floor_seconds(rates: dict[str, dict[str, float]], prompt_tokens: int, gbps: float) -> float:
     """Prefill at the GEMM rate, then each decode step at least one read of the weights (see the docstring)."""
-    prefill = max(max(rates["prefill 2048"].values()), max(rates["prefill 512"].values()))
     decode = max(rates["decode 16"], key=rates["decode 16"].get)
     weights = DECODE_FLOP / 2 * (2 if decode == "bf16" else 4)
     step = max(N_PROMPTS * DECODE_FLOP / (rates["decode 16"][decode] * 1e9), weights / (gbps * 1e9))
-    return prompt_tokens * PREFILL_FLOP / (prefill * 1e9) + (OUT_TOKENS - 1) * step
+    return prefill_seconds(rates, prompt_tokens) + (OUT_TOKENS - 1) * step
 
 
 def run_hf_generate(model, ids, _texts) -> int:
@@ -231,7 +233,7 @@ def main() -> int:
     limit = statistics.median(N_PROMPTS * OUT_TOKENS / limit_seconds(g, sum(map(len, ids))) for g in gemm)
     print(f"FLOP limit of the workload: {limit:.1f} tok/s (at the last prompts' {sum(map(len, ids))} prompt tokens)")
     gbps = read_gbps()
-    floor = N_PROMPTS * OUT_TOKENS / floor_seconds(gemm[-1], sum(map(len, ids)), gbps)
+    floor = statistics.median(N_PROMPTS * OUT_TOKENS / floor_seconds(g, sum(map(len, ids)), gbps) for g in gemm)
     print(f"memory floor: weights read once per decode step at {gbps:.1f} GB/s bound any engine to {floor:.1f} tok/s, "
           f"{floor / limit:.0%} of the FLOP limit")
     base = statistics.median(rates.get("transformers generate_batch(), fp32", [0])) or None

@@ -89,9 +89,10 @@ def report(system: str, rate: float, results: list[Result]) -> dict:
               f"{r['tpot50'] * 1000:8.0f} {r['tpot95'] * 1000:8.0f} {r['slo'] * 100:6.1f}% {r['tokens']:6.1f}",
               flush=True)
     ok = [r for r in results if r.status == 200 and r.e2e is not None]
-    span = max((r.start + r.e2e for r in ok), default=0.0) - min((r.start for r in results), default=0.0)
+    # over the answered ones: a given-up request has no send time of its own
+    span = max((r.start + r.e2e for r in ok), default=0.0) - min((r.start for r in ok), default=0.0)
     met = sum(within(r, slo[r.bucket]) for r in results) / max(1, len(results))
-    why = Counter(r.error or f"status {r.status}" for r in results if r not in ok)
+    why = Counter(r.error or f"status {r.status}" for r in results if not (r.status == 200 and r.e2e is not None))
     failed = f"{len(results) - len(ok)} failed" + (f" ({', '.join(f'{n} x {e[:60]}' for e, n in why.items())})"
                                                    if why else "")
     print(f"{system:18s} {rate:5.2f} {'ALL':12s} {len(results):4d}  within SLO {met * 100:.1f}%, {failed}, "

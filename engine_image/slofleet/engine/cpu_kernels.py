@@ -31,7 +31,7 @@ HEADERS = [HERE / "cpu_kernels.h"]
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC",
          "-shared"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-MAX_HEAD_DIM, MAX_GROUP, MAX_HIDDEN = 256, 16, 1 << 20  # the kernels' stack buffers (rope's rows: 1024)
+MAX_HEAD_DIM, MAX_GROUP, MAX_ROPE_DIM = 256, 16, 1024  # the kernels' stack buffers
 DISABLE = "SLOFLEET_NO_KERNELS"  # set to 1 to run the torch ops (a comparison, or a machine whose build misbehaves)
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -40,7 +40,7 @@ SIGNATURES = {
                      _i32, _i32, _i32, _i32, _f32, _i32, _i32],
     "add_rms_norm": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _f32, _i32, _i32],
     "rope": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
-    "silu_mul": [_ptr, _i64, _ptr, _i64, _i64, _i32, _i32],
+    "silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i32],
 }
 
 
@@ -115,18 +115,29 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up of a fused [rows, 2 x inter] projection with contiguous rows; None where the kernel has no
-    build for this CPU (no AVX-512), so the caller runs torch's ops."""
+@functools.cache
+def has_silu() -> bool:
+    """Whether the SiLU-and-mul kernel was built (it needs AVX-512): asked once, with no rows."""
+    return load() is not None and load().silu_mul_bf16(None, 0, None, 0, 0, 1) == 0
+
+
+def silu_usable(gate_up: torch.Tensor) -> bool:
+    """bf16 rows of a prefill chunk: a decode's product is column-major, and below ~8 rows a call costs more than
+    torch's two ops."""
+    return (gate_up.dtype == torch.bfloat16 and gate_up.shape[0] >= 8 and gate_up.stride(1) == 1
+            and usable(gate_up) and has_silu())
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused bf16 [rows, 2 x inter] projection with contiguous rows (see silu_usable)."""
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
-    rc = load().silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, DTYPES[gate_up.dtype],
-                         torch.get_num_threads())
-    return out if rc == 0 else None
+    load().silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads())
+    return out
 
 
 def rope_usable(qk: torch.Tensor) -> bool:
-    return qk.stride(2) == 1 and qk.stride(1) == qk.shape[2] and qk.shape[2] <= 1024 and usable(qk)
+    return qk.stride(2) == 1 and qk.stride(1) == qk.shape[2] and qk.shape[2] <= MAX_ROPE_DIM and usable(qk)
 
 
 def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -74,30 +74,23 @@ void rope_rows(void *qk, int64_t row, const float *cos, const float *sin, int64_
 }
 
 #if defined(__AVX512F__)
-template <bool BF16>
-void silu_rows(const void *gate_up, int64_t g_row, void *out, int64_t rows, int64_t inter, int threads) {
+void silu_rows(const uint16_t *gate_up, int64_t g_row, uint16_t *out, int64_t rows, int64_t inter, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * inter >= PARALLEL_ELEMS)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < inter; i += 16) {
             __mmask16 m = inter - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (inter - i)) - 1);
             __m512 g, u;
             if (m == 0xffff) {
-                g = load16<BF16>(gate_up, r * g_row + i), u = load16<BF16>(gate_up, r * g_row + inter + i);
+                g = load16<true>(gate_up, r * g_row + i), u = load16<true>(gate_up, r * g_row + inter + i);
             } else {  // the row's tail: the same loads, masked
                 alignas(64) float gt[16] = {0}, ut[16] = {0};
                 for (int64_t j = 0; j < inter - i; j++)
-                    gt[j] = ld<BF16>(gate_up, r * g_row + i + j), ut[j] = ld<BF16>(gate_up, r * g_row + inter + i + j);
+                    gt[j] = ld<true>(gate_up, r * g_row + i + j), ut[j] = ld<true>(gate_up, r * g_row + inter + i + j);
                 g = _mm512_load_ps(gt), u = _mm512_load_ps(ut);
             }
             __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            __m512 y = BF16 ? _mm512_mul_ps(keep_bf16(s), u) : _mm512_mul_ps(s, u);
-            if constexpr (BF16) {
-                __m512i k = _mm512_castps_si512(keep_bf16(y));
-                __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(k, 16));
-                _mm256_mask_storeu_epi16(static_cast<uint16_t *>(out) + r * inter + i, m, h);
-            } else {
-                _mm512_mask_storeu_ps(static_cast<float *>(out) + r * inter + i, m, y);
-            }
+            __m512i y = _mm512_castps_si512(keep_bf16(_mm512_mul_ps(keep_bf16(s), u)));
+            _mm256_mask_storeu_epi16(out + r * inter + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(y, 16)));
         }
 }
 #endif
@@ -112,12 +105,12 @@ extern "C" void add_rms_norm(void *x, const void *y, int64_t y_row, int64_t y_co
     (bf16 ? norm_rows<true> : norm_rows<false>)(x, y, y_row, y_col, w, out, rows, hidden, eps, threads);
 }
 
-// gate_up [M, 2I] with contiguous rows (g_row elements apart), out [M, I] = silu(gate) * up, each rounded to the
-// dtype as torch's two ops round them. Returns -1 (the caller keeps torch's ops) on a CPU without AVX-512.
-extern "C" int silu_mul(const void *gate_up, int64_t g_row, void *out, int64_t rows, int64_t inter, int bf16,
-                        int threads) {
+// bf16 gate_up [M, 2I] with contiguous rows (g_row elements apart), out [M, I] = silu(gate) * up, each rounded to
+// bf16 as torch's two ops round them. Returns -1 on a CPU without AVX-512 (rows = 0 asks only that).
+extern "C" int silu_mul_bf16(const uint16_t *gate_up, int64_t g_row, uint16_t *out, int64_t rows, int64_t inter,
+                             int threads) {
 #if defined(__AVX512F__)
-    (bf16 ? silu_rows<true> : silu_rows<false>)(gate_up, g_row, out, rows, inter, threads);
+    silu_rows(gate_up, g_row, out, rows, inter, threads);
     return 0;
 #else
     return -1;

@@ -75,13 +75,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the fused projection. The AVX-512 kernel takes bf16 rows of prefill chunks (a decode's
-    product is column-major, and below ~8 rows a call costs more than torch's two ops); it rounds as those ops do."""
-    if (gate_up.dtype == torch.bfloat16 and gate_up.shape[0] >= 8 and gate_up.stride(1) == 1
-            and cpu_kernels.usable(gate_up)):
-        out = cpu_kernels.silu_mul(gate_up)
-        if out is not None:
-            return out
+    """silu(gate) * up of the fused projection; the AVX-512 kernel, where it applies, rounds as torch's ops do."""
+    if cpu_kernels.silu_usable(gate_up):
+        return cpu_kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.silu(gate).mul_(up)
 
@@ -173,7 +169,7 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.at(positions)
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             x, delta = layer(x, delta, cos, sin, kc, vc, meta)
-        logits = dense(self.norm(x, delta)[logits_indices], self.lm_head)
+        logits = dense(self.norm(x[logits_indices], delta[logits_indices]), self.lm_head)
         if logits.dtype == torch.float32:  # to() hands an fp32 tensor back as it is, whatever memory_format says
             return logits.contiguous()
         return logits.to(torch.float32, memory_format=torch.contiguous_format)  # one copy, not .float().contiguous()
