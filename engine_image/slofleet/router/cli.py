@@ -1,4 +1,4 @@
-"""`slofleet router`: flags, replica discovery, and uvicorn around the Router app."""
+"""`slofleet router`: flags, replica discovery, and the server around the Router app."""
 from __future__ import annotations
 
 import argparse
@@ -106,14 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from .balancer import Balancer
     from .buckets import DEFAULT_BUCKETS, Classifier, load_buckets
     from .gateway import KeyStore, Quotas
     from .proxy import Router, RouterConfig
     from .replicas import ReplicaSet, kubernetes_lister, llmservice_selector, service_selector
-    from .server import DrainingServer, fork_workers, head_limited, reuse_port_socket
+    from .server import fork_workers, listen_socket, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.workers > 1 and (rc := fork_workers(args.workers)) is not None:
@@ -152,13 +150,11 @@ def run(args: argparse.Namespace) -> int:
         precise = Precise(args.model, args.kv_events_endpoint, args.kv_events_replay_endpoint, args.prefix_index_blocks)
     app = Router(cfg, replicas, Classifier(buckets, args.chars_per_token, args.min_shed_share, args.buckets), keys,
                  Quotas(), Balancer(args.policy, args.load_factor, precise=precise))
-    # httptools (uvicorn[standard]; several times less CPU per streamed chunk than h11) with bounds on slow
-    # request heads, and uvloop when installed; no X-Forwarded-* rewriting, since nothing here reads the client's
-    # address (it cost a header scan per request)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            interface="asgi3", http=head_limited(args.header_timeout, args.max_header_bytes),
-                            timeout_keep_alive=args.keep_alive_timeout, timeout_graceful_shutdown=args.grace_period,
-                            proxy_headers=False)
-    DrainingServer(config, app, args.drain_delay).run(
-        sockets=[reuse_port_socket(args.host, args.port)] if args.workers > 1 else None)
+    try:
+        sock = listen_socket(args.host, args.port, reuse_port=args.workers > 1)
+    except OSError as e:
+        print(f"slofleet router: cannot listen on {args.host}:{args.port}: {e}")
+        return 2
+    serve(app, sock, head_timeout=args.header_timeout, max_head_bytes=args.max_header_bytes,
+          keep_alive=args.keep_alive_timeout, drain_delay=args.drain_delay, grace_period=args.grace_period)
     return 0

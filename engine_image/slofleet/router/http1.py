@@ -31,6 +31,8 @@ class Conn(asyncio.Protocol):
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered, self.paused, self.got_any, self.last_byte = 0, False, False, 0.0
         self.waiter: asyncio.Future | None = None
+        self.sink = None  # while relaying: the client's answer (front.Exchange), written from on_body
+        self.relayed, self.tail = 0, b""  # chunks relayed, and the last of them
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -56,6 +58,18 @@ class Conn(asyncio.Protocol):
             self.lost = ConnectionError(f"malformed answer from the replica: {e}")
             self.transport.abort()
             self.wake()
+            return
+        if self.sink is not None and (self.chunks or self.complete):
+            self.flush()
+
+    def flush(self) -> None:
+        """Relaying: the body bytes of this read in one write to the client (with the answer's end if it came)."""
+        body = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks.clear()
+        self.buffered = 0
+        if body:
+            self.relayed, self.tail = self.relayed + 1, body
+        self.sink.write(body, not self.complete)
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -66,13 +80,25 @@ class Conn(asyncio.Protocol):
         self.wake()
 
     def on_body(self, body: bytes) -> None:
+        self.last_byte = self.loop.time()
         self.chunks.append(body)
         self.buffered += len(body)
-        self.last_byte = self.loop.time()
-        if self.buffered > HIGH_WATER and not self.paused:
+        if self.sink is not None:  # written at the end of this read
+            return
+        if self.buffered > HIGH_WATER:
+            self.hold()
+        self.wake()
+
+    def hold(self) -> None:
+        """Stop reading from the replica (its answer is read faster than the client takes it)."""
+        if not self.paused:
             self.paused = True
             self.transport.pause_reading()
-        self.wake()
+
+    def unhold(self) -> None:
+        if self.paused:  # the client caught up: the replica's silence counts from now
+            self.paused, self.last_byte = False, self.loop.time()
+            self.transport.resume_reading()
 
     def on_message_complete(self) -> None:
         self.complete, self.keep_alive = True, self.parser.should_keep_alive()  # asked now: the parser then resets
@@ -91,6 +117,7 @@ class Response:
         self.pool, self.key, self.conn = pool, key, conn
         self.status, self.raw_headers = conn.status, conn.raw_headers
         self.timer: asyncio.TimerHandle | None = None
+        self.idle = 0.0
 
     def header(self, name: bytes) -> str | None:
         """A response header's value by its lower-case name (the few asked for are looked up, not all decoded)."""
@@ -110,10 +137,32 @@ class Response:
         data = c.chunks.popleft() if len(c.chunks) == 1 else b"".join(c.chunks)
         c.chunks.clear()
         c.buffered = 0
-        if c.paused:  # the client caught up: the replica's silence counts from now
-            c.paused, c.last_byte = False, c.loop.time()
-            c.transport.resume_reading()
+        c.unhold()
         return data
+
+    async def relay(self, sink) -> None:
+        """Write the rest of the body to `sink`, its end included (front.Exchange: its `write(bytes, more)`, `slow`
+        while the client is behind, and `source`, set to the connection while this runs, for it to `hold` and
+        `unhold` reading as the client falls behind and catches up), returning once the body is over. Fails as
+        readany does; `progress` tells what was written either way."""
+        c = self.conn
+        c.sink, sink.source = sink, c
+        if c.chunks or c.complete:  # arrived before the relay began
+            c.flush()
+        if sink.slow:
+            c.hold()
+        else:
+            c.unhold()
+        try:
+            while not c.complete:
+                await c.wait()
+        finally:
+            c.sink = sink.source = None
+
+    def progress(self) -> tuple[int, bytes]:
+        """(chunks relayed, the last of them) so far; ask before `release`."""
+        c = self.conn
+        return (c.relayed, c.tail) if c is not None else (0, b"")
 
     async def read(self) -> bytes:
         parts = []
@@ -125,27 +174,28 @@ class Response:
         """From now on, `idle` seconds without a body byte end the reading with asyncio.TimeoutError: one timer
         that wakes when the silence would reach `idle` since the last byte, not a timer re-armed on every chunk.
         While reading is paused for a slow client, the replica is not the one idle."""
-        loop = asyncio.get_running_loop()
         c = self.conn
-        c.last_byte = max(c.last_byte, loop.time())
+        c.last_byte = max(c.last_byte, c.loop.time())
+        self.idle = idle
+        self.timer = c.loop.call_later(idle, self.check)
 
-        def check() -> None:
-            if self.conn is None or c.complete or c.lost is not None:
-                return
-            left = idle if c.paused else c.last_byte + idle - loop.time()
-            if left > 0:
-                self.timer = loop.call_later(left, check)
-                return
-            c.lost = asyncio.TimeoutError()
-            c.wake()
-
-        self.timer = loop.call_later(idle, check)
+    def check(self) -> None:
+        c = self.conn
+        if c is None or c.complete or c.lost is not None:
+            return
+        left = self.idle if c.paused else c.last_byte + self.idle - c.loop.time()
+        if left > 0:
+            self.timer = c.loop.call_later(left, self.check)
+            return
+        c.lost = asyncio.TimeoutError()
+        c.wake()
 
     def release(self) -> None:
         """Done with it: a complete answer's connection goes back to the pool, any other is closed (the replica
         sees the disconnect and aborts the request)."""
         if self.timer is not None:
             self.timer.cancel()
+            self.timer = None  # its callback is this Response's: no cycle left for the collector
         c, self.conn = self.conn, None
         if c is None:
             return

@@ -2,7 +2,13 @@
 router's own time by phase (what "outside the model" is made of)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import bisect
+import itertools
+import math
+
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from slofleet.api.contract import ROUTER_HELD
 
@@ -22,56 +28,98 @@ PHASES = {  # the phase label's values
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
-class Cached:
-    """A labelled metric whose children are looked up once per label values: prometheus_client's own labels()
-    takes a lock and checks and converts every value, a dozen times per request on the router's hot path."""
+class Value:
+    __slots__ = ("value",)
 
-    def __init__(self, metric) -> None:
-        self.metric, self.children = metric, {}
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+
+class Buckets:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds, self.counts, self.sum = bounds, [0] * (len(bounds) + 1), 0.0
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, amount)] += 1  # the first bound >= amount, as `le` means
+        self.sum += amount
+
+
+class Family:
+    """A labelled counter, gauge or histogram updated per request, kept as plain numbers and turned into Prometheus
+    samples when scraped. prometheus_client's own take a lock and check their type on every update, and a request
+    makes about twenty; the router's one event loop is the only writer of these."""
+
+    def __init__(self, kind: type, name: str, doc: str, labels: list[str], buckets: tuple[float, ...] = ()):
+        self.kind, self.name, self.doc, self.label_names, self.bounds = kind, name, doc, labels, buckets
+        self.children: dict[tuple[str, ...], Value | Buckets] = {}
 
     def labels(self, *values: str):
         child = self.children.get(values)
         if child is None:
-            child = self.children[values] = self.metric.labels(*values)
+            child = self.children[values] = Buckets(self.bounds) if self.bounds else Value()
         return child
+
+    def collect(self):
+        family = self.kind(self.name, self.doc, labels=self.label_names)
+        for values, child in self.children.items():
+            if isinstance(child, Value):
+                family.add_metric(values, child.value)
+                continue
+            cumulative = list(itertools.accumulate(child.counts))
+            family.add_metric(values, [(floatToGoString(b), c) for b, c in zip((*child.bounds, math.inf), cumulative)],
+                              child.sum)
+        return family
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("slofleet:router_requests", "Requests answered, by bucket and HTTP status.",
-                                ["bucket", "code"], registry=r)
-        self.rejected = Counter("slofleet:router_rejected", "Requests refused by the router, by bucket and reason "
-                                "(auth, quota, size, invalid, slow_client, shed, draining, no_replica, timeout).",
-                                ["bucket", "reason"], registry=r)
-        self.inflight = Gauge("slofleet:router_inflight_requests", "Requests open through the router.", ["bucket"],
-                              registry=r)
-        self.retries = Counter("slofleet:router_retries", "Requests retried on another replica before their first "
-                               "byte.", ["bucket"], registry=r)
-        self.ttfb = Histogram("slofleet:router_time_to_first_byte_seconds", "Arrival to the first byte sent back "
-                              "(first token when streaming).", ["bucket"], buckets=TTFB_BUCKETS, registry=r)
+        counter, gauge, histogram = CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        self.requests = Family(counter, "slofleet:router_requests", "Requests answered, by bucket and HTTP status.",
+                               ["bucket", "code"])
+        self.rejected = Family(counter, "slofleet:router_rejected", "Requests refused by the router, by bucket and "
+                               "reason (auth, quota, size, invalid, slow_client, shed, draining, no_replica, timeout).",
+                               ["bucket", "reason"])
+        self.inflight = Family(gauge, "slofleet:router_inflight_requests", "Requests open through the router.",
+                               ["bucket"])
+        self.retries = Family(counter, "slofleet:router_retries", "Requests retried on another replica before their "
+                              "first byte.", ["bucket"])
+        self.ttfb = Family(histogram, "slofleet:router_time_to_first_byte_seconds", "Arrival to the first byte sent "
+                           "back (first token when streaming).", ["bucket"], TTFB_BUCKETS)
+        self.routed = Family(counter, "slofleet:router_routed", "Requests sent to a replica, by how it was chosen.",
+                             ["bucket", "how"])
+        self.pd_routes = Family(counter, "slofleet:router_pd_routes", "Requests served, by where their prompt was "
+                                "prefilled: disaggregated (on a prefill replica), direct (a short prompt, on the "
+                                "serving replica), fallback (a long prompt while no prefill replica was ready).",
+                                ["bucket", "route"])
+        self.cut = Family(counter, "slofleet:router_streams_cut", "Responses cut after their first byte, by reason "
+                          "(replica_failed, idle_timeout, shutdown).", ["bucket", "reason"])
+        self.phase = Family(histogram, "slofleet:router_phase_seconds", "Time a request spends in each router "
+                            "phase: " + "; ".join(f"{k}: {v}" for k, v in PHASES.items()) + ".", ["bucket", "phase"],
+                            PHASE_BUCKETS)
+        self.held = Family(gauge, ROUTER_HELD, "Requests waiting for a serving replica to become ready "
+                           "(the autoscaler's signal to scale up from zero).", ["bucket"])
+        self.families = (self.requests, self.rejected, self.inflight, self.retries, self.ttfb, self.routed,
+                         self.pd_routes, self.cut, self.phase, self.held)
+        r.register(self)
         self.replica_up = Gauge("slofleet:router_replica_ready", "1 while the replica passes its health checks.",
                                 ["replica"], registry=r)
-        self.routed = Counter("slofleet:router_routed", "Requests sent to a replica, by how it was chosen.",
-                                ["bucket", "how"], registry=r)
-        self.pd_routes = Counter("slofleet:router_pd_routes", "Requests served, by where their prompt was "
-                                 "prefilled: disaggregated (on a prefill replica), direct (a short prompt, on the "
-                                 "serving replica), fallback (a long prompt while no prefill replica was ready).",
-                                 ["bucket", "route"], registry=r)
-        self.cut = Counter("slofleet:router_streams_cut", "Responses cut after their first byte, by reason "
-                           "(replica_failed, idle_timeout, shutdown).", ["bucket", "reason"], registry=r)
-        self.phase = Histogram("slofleet:router_phase_seconds", "Time a request spends in each router phase: "
-                               + "; ".join(f"{k}: {v}" for k, v in PHASES.items()) + ".", ["bucket", "phase"],
-                               buckets=PHASE_BUCKETS, registry=r)
         self.index_blocks = Gauge("slofleet:router_prefix_index_blocks", "Entries (replica, block) in the precise "
                                   "policy's prefix index.", registry=r)
         self.index_bytes = Gauge("slofleet:router_prefix_index_bytes", "Memory the precise policy's prefix index "
                                  "holds (entries times their measured size).", registry=r)
-        self.held = Gauge(ROUTER_HELD, "Requests waiting for a serving replica to become ready "
-                          "(the autoscaler's signal to scale up from zero).", ["bucket"], registry=r)
-        for name in ("requests", "rejected", "inflight", "retries", "ttfb", "routed", "pd_routes", "cut", "phase",
-                     "held"):  # the ones labelled per request
-            setattr(self, name, Cached(getattr(self, name)))
+
+    def collect(self):
+        """The per-request families, for the registry's scrape."""
+        return [f.collect() for f in self.families]
 
     def index(self, index) -> None:
         self.index_blocks.set(len(index))

@@ -22,6 +22,7 @@ Draining (SIGTERM, see server.py): /ready and new generation requests answer 503
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -39,12 +40,13 @@ from .balancer import Balancer
 from .buckets import Admission, Bucket, Classifier
 from .deadline import Deadline
 from .debug import debug_traces
+from .exchange import RELAY
 from .gateway import GatewayError, KeyStore, Quotas
 from .http1 import Pool
 from .metrics import RouterMetrics
 from .replicas import ReplicaSet
 from .upstream import GENERATE, RETRYABLE, SERVING, Upstream
-from .wire import RoutedBody, error_body, headers_of, internal_auth, invalid, respond, until_disconnect
+from .wire import RoutedBody, error_body, headers_of, internal_auth, invalid, respond, with_field
 
 log = logging.getLogger("slofleet.router")
 COMPLETIONS_MAX_TOKENS = 16  # what /v1/completions generates without max_tokens (OpenAI's default, the engine's)
@@ -89,10 +91,6 @@ class Router:
             self.metrics.held.labels(b.name)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            return await self.lifespan(receive, send)
-        if scope["type"] != "http":
-            return
         path, method, rid = scope["path"], scope["method"], request_id_of(scope)
         send = with_request_id(send, rid)
         if method == "POST" and path in GENERATE:
@@ -123,27 +121,22 @@ class Router:
         log.info("draining: /ready and new requests answer 503, %d open requests may finish", self.inflight)
         self.upstream.draining = True
 
-    async def lifespan(self, receive, send) -> None:
-        while True:
-            msg = await receive()
-            if msg["type"] == "lifespan.startup":
-                self.session = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True), auto_decompress=False,
-                    timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout),
-                    headers=internal_auth())  # /v1/models and trace look-ups; a client's own is never sent
-                self.upstream.pool = Pool(self.cfg.connect_timeout, internal_auth())  # generation requests
-                self.tasks = [asyncio.create_task(self.replicas.run()), asyncio.create_task(self.reload_keys())]
-                if self.balancer.precise is not None:
-                    self.tasks.append(asyncio.create_task(self.balancer.precise.subscriptions.start()))
-                await send({"type": "lifespan.startup.complete"})
-            elif msg["type"] == "lifespan.shutdown":
-                for t in self.tasks:
-                    t.cancel()
-                await self.session.close()
-                self.upstream.pool.close()
-                self.tracing.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True), auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout),
+            headers=internal_auth())  # /v1/models and trace look-ups; a client's own is never sent
+        self.upstream.pool = Pool(self.cfg.connect_timeout, internal_auth())  # generation requests
+        self.tasks = [asyncio.create_task(self.replicas.run()), asyncio.create_task(self.reload_keys())]
+        if self.balancer.precise is not None:
+            self.tasks.append(asyncio.create_task(self.balancer.precise.subscriptions.start()))
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await self.session.close()
+        self.upstream.pool.close()
+        self.tracing.shutdown()
 
     async def reload_keys(self) -> None:
         while True:  # a rotated Secret's file changes under us, the buckets' ConfigMap too; pick them up within seconds
@@ -199,15 +192,15 @@ class Router:
 
     async def serve(self, scope, receive, send, headers: dict[str, str], rt: RequestTrace) -> int | None:
         """One generation request through the gateway, classification and the upstream: the status answered."""
-        t0, path = time.perf_counter(), scope["path"]
+        t0, path, ex = time.perf_counter(), scope["path"], scope["extensions"][RELAY]
         bucket: Bucket | None = None
         if self.draining:
             return await self.reject(send, None, "draining", 503, "the router is shutting down; retry the request",
                                      "unavailable", 1)
         try:
             quota = self.keys.authenticate(headers)
-            try:
-                async with Deadline(self.cfg.body_timeout):
+            try:  # no timer to arm when the whole body came with the head
+                async with contextlib.nullcontext() if ex.complete else Deadline(self.cfg.body_timeout):
                     raw = await self.read_body(receive, headers)
             except asyncio.TimeoutError:
                 raise GatewayError(408, f"the request body did not arrive within {self.cfg.body_timeout:g} s",
@@ -248,7 +241,6 @@ class Router:
         rt.span("classify", t_gateway, t_classify, bucket=bucket.name, priority=bucket.priority)
         self.metrics.phase.labels(bucket.name, "gateway").observe((t_gateway - rt.start_ns) / 1e9)
         self.metrics.phase.labels(bucket.name, "classify").observe((t_classify - t_gateway) / 1e9)
-        data["priority"] = bucket.priority  # the bucket's priority, never the client's own claim
         # the trace context goes per try (each its own span); the request id is the one the client was answered with
         upstream_headers = {"content-type": "application/json", BUCKET_HEADER: bucket.name,
                             REQUEST_ID_HEADER: rt.request_id}
@@ -257,21 +249,23 @@ class Router:
         key = self.balancer.key(body.messages, body.prompt, text, self.cfg.affinity_chars)
         self.inflight += 1
         self.metrics.inflight.labels(bucket.name).inc()
-        # The answer is relayed in this task; a watcher cancels it when the client leaves (closing the upstream
-        # connection aborts the request in the engine). No second task and no asyncio.wait per request.
-        task, relaying, left = asyncio.current_task(), True, False
+        # The answer is relayed in this task; the front calls back when the client leaves, which cancels it
+        # (closing the upstream connection aborts the request in the engine). No second task per request.
+        task, left = asyncio.current_task(), False
 
-        def client_left(w: asyncio.Future) -> None:
+        def client_left() -> None:
             nonlocal left
-            if relaying and not w.cancelled():  # once the answer is complete, a disconnect cancels nothing
-                left = True
-                task.cancel()
+            left = True
+            task.cancel()
 
-        watch = asyncio.ensure_future(until_disconnect(receive))
-        watch.add_done_callback(client_left)
+        ex.on_disconnect = client_left
         try:
-            return await self.upstream.forward(send, path, json.dumps(data).encode(), upstream_headers, key, ticket,
-                                               t0, tokens, rt)
+            if ex.gone:  # it left before the callback was set
+                client_left()
+            # the bucket's priority, never the client's own claim
+            payload = with_field(raw, data, "priority", bucket.priority)
+            return await self.upstream.forward(send, ex, path, payload, upstream_headers, key, ticket, t0, tokens,
+                                               rt)
         except asyncio.CancelledError:
             if not left:  # cancelled from outside: the shutdown's grace period ran out
                 raise
@@ -279,8 +273,7 @@ class Router:
                 task.uncancel()
             return None
         finally:
-            relaying = False
-            watch.cancel()
+            ex.on_disconnect = None  # once the answer is complete, a disconnect cancels nothing
             self.classifier.release(ticket)
             self.inflight -= 1
             self.metrics.inflight.labels(bucket.name).dec()

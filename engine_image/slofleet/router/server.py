@@ -1,14 +1,9 @@
-"""uvicorn around the Router: draining on SIGTERM, and bounds on slow clients.
+"""The router's process: its HTTP server (front.py) under uvloop where installed, draining on SIGTERM, and workers.
 
 SIGTERM: the router drains at once (/ready and new generation requests answer 503, so clients retry on another
-router pod while the endpoint leaves the Service); after `drain_delay` the listener closes and open streams get
-`grace_period` more to finish; streams still open then are cut with an SSE error event. A second signal stops
-at once.
-
-Slow clients (slowloris), with httptools (uvicorn[standard]): a request head (request line and headers) must
-arrive within `head_timeout` of the connection opening or of its first byte, and within `max_head_bytes`, or the
-connection is closed; uvicorn's keep-alive timeout closes idle connections between requests; the body has the
-Router's `body_timeout` (408).
+router pod while the endpoint leaves the Service); after `drain_delay` the listener and idle connections close and
+open streams get `grace_period` more to finish; streams still open then are cut with an SSE error event. A second
+signal stops at once.
 
 Workers (`--workers N`): N processes, each a whole router (its own replica probes, balancer, quotas, prefix index
 subscriptions, metrics), bound to the same port with SO_REUSEPORT so the kernel spreads connections over them: one
@@ -19,76 +14,75 @@ took the scrape's connection."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
 import socket
-import threading
 
-import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from .front import Front
 
 log = logging.getLogger("slofleet.router")
+BACKLOG = 2048  # connections waiting to be accepted: a burst of a thousand clients connecting at once fits
 
 
-def head_limited(head_timeout: float, max_head_bytes: int) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol, closing a connection whose request head is too slow or too large."""
-
-    class HeadLimited(HttpToolsProtocol):
-        head_timer: asyncio.TimerHandle | None = None
-        head_bytes = 0
-
-        def arm(self) -> None:
-            if self.head_timer is None:
-                self.head_bytes = 0
-                self.head_timer = self.loop.call_later(head_timeout, self.cut, "not received in time")
-
-        def disarm(self) -> None:
-            if self.head_timer is not None:
-                self.head_timer.cancel()
-                self.head_timer = None
-
-        def cut(self, why: str) -> None:
-            log.info("closing a connection from %s: request head %s", self.client, why)
-            self.disarm()
-            self.transport.close()
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self.arm()
-
-        def connection_lost(self, exc) -> None:
-            self.disarm()
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.head_timer is not None:  # still inside a head after parsing this (a body's bytes are not counted)
-                self.head_bytes += len(data)
-                if self.head_bytes > max_head_bytes:
-                    self.cut(f"over {max_head_bytes} bytes")
-
-        def on_message_begin(self) -> None:  # the next request on a kept-alive connection
-            self.arm()
-            super().on_message_begin()
-
-        def on_headers_complete(self) -> None:
-            self.disarm()
-            super().on_headers_complete()
-
-    return HeadLimited
+def serve(router, sock: socket.socket, *, head_timeout: float, max_head_bytes: int, keep_alive: float,
+          drain_delay: float, grace_period: float) -> None:
+    """Serve the Router on a bound socket until a signal, then drain (see above)."""
+    main = run(router, sock, head_timeout, max_head_bytes, keep_alive, drain_delay, grace_period)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
 
 
-class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, router, drain_delay: float):
-        super().__init__(config)
-        self.router, self.drain_delay = router, drain_delay
+async def run(router, sock: socket.socket, head_timeout: float, max_head_bytes: int, keep_alive: float,
+              drain_delay: float, grace_period: float) -> None:
+    loop = asyncio.get_running_loop()
+    await router.start()
+    # Python's cyclic collector walks every live young object each few hundred allocations: with a thousand open
+    # streams that was ~15% of the router's CPU. A request leaves no cycles behind (tests/router/test_front.py), so
+    # the collector runs less often, and never over what was made at start (modules, schemas).
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+    front = Front(router, head_timeout, max_head_bytes, keep_alive)
+    server = await loop.create_server(front.protocol, sock=sock, backlog=BACKLOG)
+    sweep = asyncio.ensure_future(front.sweep())
+    host, port = sock.getsockname()[:2]
+    log.info("router listening on http://%s:%d (pid %d)", host, port, os.getpid())
+    stop, now = asyncio.Event(), asyncio.Event()
 
-    def handle_exit(self, sig: int, frame) -> None:
-        if self.router.draining:  # a second signal: stop now
-            return super().handle_exit(sig, frame)
-        self.router.drain()
-        threading.Timer(self.drain_delay, super().handle_exit, (sig, frame)).start()
+    def on_signal() -> None:
+        if router.draining:  # a second signal: stop now
+            now.set()
+            stop.set()
+            return
+        router.drain()
+        loop.call_later(drain_delay, stop.set)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await stop.wait()
+        server.close()
+        front.close_idle()
+        if front.tasks and not now.is_set():
+            log.info("waiting up to %g s for %d open requests", grace_period, len(front.tasks))
+            waits = [asyncio.ensure_future(front.idle()), asyncio.ensure_future(now.wait())]
+            await asyncio.wait(waits, timeout=grace_period, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+        for t in list(front.tasks):  # cut: each ends its stream with an error event
+            t.cancel()
+        if front.tasks:
+            await asyncio.wait(list(front.tasks), timeout=5)
+        for c in list(front.connections):
+            c.transport.close()
+    finally:
+        sweep.cancel()
+        await router.stop()
 
 
 def fork_workers(n: int) -> int | None:
@@ -112,17 +106,19 @@ def fork_workers(n: int) -> int | None:
         pid, status = os.wait()
         pids.discard(pid)
         code = os.waitstatus_to_exitcode(status)
-        if code not in (0, -signal.SIGTERM, -signal.SIGINT) and not rc:  # uvicorn re-raises the signal it drained on
+        if code not in (0, -signal.SIGTERM, -signal.SIGINT) and not rc:
             log.error("router worker %d exited with %d: stopping the others", pid, code)
             rc = code
             forward(signal.SIGTERM, None)
     return rc
 
 
-def reuse_port_socket(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A bound socket; with `reuse_port`, one of several (the workers') on the same port."""
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind(addr)
     return sock

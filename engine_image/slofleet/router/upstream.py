@@ -193,9 +193,10 @@ class Upstream:
         if handoff:
             self.metrics.phase.labels(bucket, "handoff").observe(float(handoff.group(1)) / 1e3)
 
-    async def forward(self, send, path: str, payload: bytes, headers: dict, key: int | None, ticket: Ticket,
+    async def forward(self, send, sink, path: str, payload: bytes, headers: dict, key: int | None, ticket: Ticket,
                       t0: float, tokens: int, rt: RequestTrace) -> int:
-        """Relay the answer; the status sent."""
+        """Relay the answer (its first chunk by `send`, the rest straight into `sink`, the front's Exchange); the
+        status sent."""
         name = ticket.bucket.name
         replica, resp, first, span, waited = await self.open(path, payload, headers, key, ticket, tokens, rt)
         self.classifier.release(ticket)  # no longer waiting: the engine has started on it
@@ -218,9 +219,8 @@ class Upstream:
             self.metrics.phase.labels(name, "own").observe(max(0.0, ttfb - waited))
             self.metrics.requests.labels(name, str(resp.status)).inc()
             resp.watch(self.cfg.idle_timeout)
-            while chunk := await resp.readany():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                last, chunks = chunk, chunks + 1
+            await resp.relay(sink)
+            # the relay has ended the answer, but for one that ran to the connection's end (no length)
             await send({"type": "http.response.body", "body": b""})
             done = True
         except asyncio.TimeoutError:  # the idle timer (resp.watch): the replica went quiet (it stays in rotation)
@@ -234,6 +234,8 @@ class Upstream:
             raise
         finally:
             replica.inflight -= 1
+            relayed, tail = resp.progress()
+            chunks, last = chunks + relayed, tail or last
             resp.release() if done else resp.close()
             if cut is not None:
                 await self.end_cut_stream(send, resp, name, last, replica.url, *cut)

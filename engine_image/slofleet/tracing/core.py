@@ -79,19 +79,21 @@ class LeanSpan:
     of it only for an OTLP exporter. The SDK's own Span (a sampler call, a lock, bounded attribute, event and link
     lists, processors on start and end) costs ~15 us, and the router makes half a dozen per request on its hot path.
     Attribute values: str, int, float, bool."""
-    __slots__ = ("trace", "name", "context", "parent", "kind", "start_time", "end_time", "attributes", "events",
-                 "status")
+    __slots__ = ("tracing", "tid", "name", "context", "parent", "kind", "start_time", "end_time", "attributes",
+                 "events", "status")
 
     def __init__(self, rt: RequestTrace, name: str, context: SpanContext, parent: SpanContext | None, kind: SpanKind,
                  start_ns: int | None, attrs: dict):
-        self.trace, self.name, self.context, self.parent, self.kind = rt, name, context, parent, kind
+        # the trace's Tracing and id, not the RequestTrace: its root span would make a cycle for the collector
+        self.tracing, self.tid, self.name, self.context, self.parent = rt.tracing, rt.tid, name, context, parent
+        self.kind = kind
         self.start_time, self.end_time, self.attributes = start_ns or time.time_ns(), None, attrs
         self.events: list[Event] = []
         self.status = UNSET
 
     @property
     def resource(self) -> Resource:
-        return self.trace.tracing.resource
+        return self.tracing.resource
 
     def set_attribute(self, key: str, value) -> None:
         self.attributes[key] = value
@@ -108,8 +110,8 @@ class LeanSpan:
     def end(self, end_time: int | None = None) -> None:
         if self.end_time is None:  # once, as the SDK's
             self.end_time = end_time or time.time_ns()
-            tracing = self.trace.tracing
-            tracing.recent.add(self, self.trace.tid)
+            tracing = self.tracing
+            tracing.recent.add(self, self.tid)
             if tracing.export is not None:
                 tracing.export.on_end(ReadableSpan(
                     self.name, self.context, self.parent, tracing.resource, self.attributes, self.events,
