@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .front import Connection
 
 REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+ASGI = {"version": "3.0", "spec_version": "2.3"}
 RELAY = "slofleet.relay"  # the scope's extension holding the Exchange, for the Router to relay a stream into
 
 
@@ -26,7 +27,7 @@ class Exchange:
         self.conn, self.method, self.keep_alive = conn, method, keep_alive
         url = httptools.parse_url(raw_path)
         path = url.path.decode("latin-1")
-        self.scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        self.scope = {"type": "http", "asgi": ASGI, "http_version": "1.1",
                       "method": method, "scheme": "http", "path": urllib.parse.unquote(path) if "%" in path else path,
                       "raw_path": url.path, "query_string": url.query or b"", "root_path": "", "headers": headers,
                       "client": conn.peer, "server": conn.local, "extensions": {RELAY: self}}
@@ -34,6 +35,7 @@ class Exchange:
         self.buffered, self.complete, self.delivered, self.expect_continue = 0, False, False, expect_continue
         self.head: list[bytes] | None = None  # the answer's status line and headers until written
         self.has_length = self.started = self.chunked = self.finished = False
+        self.streaming = False  # the head is out and the body goes in chunks: write's short way
         self.waiter: asyncio.Future | None = None
         self.source = None  # the replica connection relaying into this answer (paused while the client is)
         self.on_disconnect = None  # called if the client leaves (at most once), as ASGI's receive would tell
@@ -88,6 +90,9 @@ class Exchange:
     def write(self, body: bytes, more: bool) -> None:
         """Body bytes of the answer, framed (chunked unless the length was given or is known now); the last ones
         (`more` false) end it."""
+        if self.streaming and more and body and not self.conn.closed:  # a relayed stream's every read
+            self.conn.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+            return
         if self.finished or self.conn.closed:
             return
         out = b""
@@ -107,6 +112,7 @@ class Exchange:
         else:
             out += body
         self.conn.transport.write(out)
+        self.streaming = self.chunked and more and self.method != "HEAD"
         if not more:
             self.finish()
 

@@ -31,7 +31,8 @@ class Conn(asyncio.Protocol):
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered, self.paused, self.got_any, self.last_byte = 0, False, False, 0.0
         self.waiter: asyncio.Future | None = None
-        self.sink = None  # while relaying: the client's answer (front.Exchange), written from on_body
+        self.sink = None  # while relaying: the client's answer (exchange.Exchange), written after each read
+        self.held = b""  # while relaying: the body bytes of the read being parsed
         self.relayed, self.tail = 0, b""  # chunks relayed, and the last of them
 
     def wake(self) -> None:
@@ -59,17 +60,14 @@ class Conn(asyncio.Protocol):
             self.transport.abort()
             self.wake()
             return
-        if self.sink is not None and (self.chunks or self.complete):
-            self.flush()
-
-    def flush(self) -> None:
-        """Relaying: the body bytes of this read in one write to the client (with the answer's end if it came)."""
-        body = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
-        self.chunks.clear()
-        self.buffered = 0
-        if body:
-            self.relayed, self.tail = self.relayed + 1, body
-        self.sink.write(body, not self.complete)
+        sink = self.sink
+        if sink is not None:  # relaying: this read's body bytes in one write (with the answer's end if it came)
+            body, self.held = self.held, b""
+            if body or self.complete:
+                self.last_byte = self.loop.time()
+                if body:
+                    self.relayed, self.tail = self.relayed + 1, body
+                sink.write(body, not self.complete)
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -80,11 +78,12 @@ class Conn(asyncio.Protocol):
         self.wake()
 
     def on_body(self, body: bytes) -> None:
-        self.last_byte = self.loop.time()
-        self.chunks.append(body)
-        self.buffered += len(body)
         if self.sink is not None:  # written at the end of this read
+            self.held += body
             return
+        self.chunks.append(body)
+        self.last_byte = self.loop.time()
+        self.buffered += len(body)
         if self.buffered > HIGH_WATER:
             self.hold()
         self.wake()
@@ -148,7 +147,12 @@ class Response:
         c = self.conn
         c.sink, sink.source = sink, c
         if c.chunks or c.complete:  # arrived before the relay began
-            c.flush()
+            body = b"".join(c.chunks)
+            c.chunks.clear()
+            c.buffered = 0
+            if body:
+                c.relayed, c.tail = 1, body
+            sink.write(body, not c.complete)
         if sink.slow:
             c.hold()
         else:

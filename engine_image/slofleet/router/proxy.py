@@ -34,7 +34,7 @@ from pydantic import ValidationError
 
 from slofleet.api import v1alpha1 as api
 from slofleet.api.contract import BUCKET_HEADER, REQUEST_ID_HEADER, ROUTER, TPOT_HEADER
-from slofleet.tracing.core import RequestTrace, Tracing, request_id_of, with_request_id
+from slofleet.tracing.core import RequestTrace, Tracing, request_id, with_request_id
 
 from .balancer import Balancer
 from .buckets import Admission, Bucket, Classifier
@@ -91,10 +91,12 @@ class Router:
             self.metrics.held.labels(b.name)
 
     async def __call__(self, scope, receive, send) -> None:
-        path, method, rid = scope["path"], scope["method"], request_id_of(scope)
+        path, method = scope["path"], scope["method"]
+        headers = headers_of(scope)
+        rid = request_id(headers.get(REQUEST_ID_HEADER))
         send = with_request_id(send, rid)
         if method == "POST" and path in GENERATE:
-            return await self.generate(scope, receive, send, rid)
+            return await self.generate(scope, receive, send, headers, rid)
         if method == "GET" and path == "/health":
             return await respond(send, 200, b"ok", b"text/plain")
         if method == "GET" and path == "/ready":
@@ -182,8 +184,8 @@ class Router:
             requested = COMPLETIONS_MAX_TOKENS if path == GENERATE[0] else room
         return min(requested, room)
 
-    async def generate(self, scope, receive, send, rid: str) -> None:
-        headers, status = headers_of(scope), None
+    async def generate(self, scope, receive, send, headers: dict[str, str], rid: str) -> None:
+        status = None
         rt = self.tracing.begin("POST", scope["path"], headers, rid)
         try:
             status = await self.serve(scope, receive, send, headers, rt)

@@ -153,7 +153,7 @@ class Upstream:
                     raise LookupError
                 route = "disaggregated" if prefill is not None else "fallback" if long_prompt else "direct"
                 self.metrics.pd_routes.labels(name, route).inc()
-                self.observe_try(name, span, first_try, resp)
+                self.observe_try(name, span, first_try, resp, prefill is not None)
                 span.set_attributes(attributes({"route": route, "status": resp.status}))
                 return replica, resp, first, span, (time.time_ns() - span.start_time) / 1e9
             except asyncio.TimeoutError:  # busy, maybe not dead: it stays in rotation, the budget is spent
@@ -185,10 +185,12 @@ class Upstream:
             last = (503, error_body(503, "no ready replica to serve this request", "unavailable"))
         return None, last[0], last[1], None, 0.0
 
-    def observe_try(self, bucket: str, span, first_try: int, resp) -> None:
+    def observe_try(self, bucket: str, span, first_try: int, resp, disaggregated: bool) -> None:
         """The answering try's phases: the tries lost before it, and the decode engine's KV hand-off."""
         if span.start_time > first_try:
             self.metrics.phase.labels(bucket, "retry").observe((span.start_time - first_try) / 1e9)
+        if not disaggregated:
+            return
         handoff = HANDOFF_TIMING.search(resp.header(SERVER_TIMING_HEADER.encode()) or "")
         if handoff:
             self.metrics.phase.labels(bucket, "handoff").observe(float(handoff.group(1)) / 1e3)

@@ -63,7 +63,7 @@ async def respond(send, status: int, body: bytes, content_type: bytes = b"applic
 
 
 def headers_of(scope) -> dict[str, str]:
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}  # ASGI's names are lower-case
 
 
 def with_field(raw: bytes, data: dict, name: str, value) -> bytes:

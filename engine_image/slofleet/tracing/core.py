@@ -12,7 +12,7 @@ import re
 import threading
 import time
 import urllib.parse
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Awaitable
 
 from opentelemetry import trace
@@ -60,8 +60,20 @@ def with_request_id(send, rid: str):
     return sender
 
 
+class Qualified(dict):
+    """slofleet.NAME for each attribute name, made once per name (not a new string per span)."""
+
+    def __missing__(self, name: str) -> str:
+        self[name] = qualified = f"slofleet.{name}"
+        return qualified
+
+
+QUALIFIED = Qualified()
+
+
 def attributes(kw: dict) -> dict:
-    return {f"slofleet.{k}": v for k, v in kw.items() if v is not None}
+    q = QUALIFIED
+    return {q[k]: v for k, v in kw.items() if v is not None}
 
 
 def traces_url(endpoint: str) -> str:
@@ -78,18 +90,33 @@ class LeanSpan:
     """A span at the cost of a few stores, kept as it is in the in-memory store when it ends; a ReadableSpan is made
     of it only for an OTLP exporter. The SDK's own Span (a sampler call, a lock, bounded attribute, event and link
     lists, processors on start and end) costs ~15 us, and the router makes half a dozen per request on its hot path.
-    Attribute values: str, int, float, bool."""
-    __slots__ = ("tracing", "tid", "name", "context", "parent", "kind", "start_time", "end_time", "attributes",
-                 "events", "status")
+    Ids are kept as ints and SpanContexts made only when asked for. Attribute values: str, int, float, bool."""
+    __slots__ = ("tracing", "tid", "trace_id", "state", "span_id", "up", "name", "kind", "start_time", "end_time",
+                 "attributes", "events", "status")
 
-    def __init__(self, rt: RequestTrace, name: str, context: SpanContext, parent: SpanContext | None, kind: SpanKind,
+    def __init__(self, rt: RequestTrace, name: str, span_id: int, up: int | SpanContext | None, kind: SpanKind,
                  start_ns: int | None, attrs: dict):
-        # the trace's Tracing and id, not the RequestTrace: its root span would make a cycle for the collector
-        self.tracing, self.tid, self.name, self.context, self.parent = rt.tracing, rt.tid, name, context, parent
-        self.kind = kind
+        # the trace's Tracing and ids, not the RequestTrace: its root span would make a cycle for the collector
+        self.tracing, self.tid, self.trace_id, self.state = rt.tracing, rt.tid, rt.trace_id, rt.state
+        self.span_id, self.up, self.name, self.kind = span_id, up, name, kind  # up: the parent's id, or a caller's
         self.start_time, self.end_time, self.attributes = start_ns or time.time_ns(), None, attrs
-        self.events: list[Event] = []
+        self.events: list[Event] | tuple = ()  # a list once an event is added (most spans have none)
         self.status = UNSET
+
+    @property
+    def context(self) -> SpanContext:
+        return SpanContext(self.trace_id, self.span_id, False, SAMPLED, self.state)
+
+    @property
+    def parent(self) -> SpanContext | None:
+        """The parent span's context here, or the caller's for a root that continues one (None: a new trace)."""
+        up = self.up
+        return SpanContext(self.trace_id, up, False, SAMPLED, self.state) if isinstance(up, int) else up
+
+    @property
+    def parent_id(self) -> int | None:
+        up = self.up
+        return up if up is None or isinstance(up, int) else up.span_id
 
     @property
     def resource(self) -> Resource:
@@ -105,7 +132,7 @@ class LeanSpan:
         self.status = status
 
     def add_event(self, name: str, attributes: dict | None = None, timestamp: int | None = None) -> None:
-        self.events.append(Event(name, attributes, timestamp or time.time_ns()))
+        self.events = [*self.events, Event(name, attributes, timestamp or time.time_ns())]
 
     def end(self, end_time: int | None = None) -> None:
         if self.end_time is None:  # once, as the SDK's
@@ -119,6 +146,10 @@ class LeanSpan:
                     instrumentation_scope=SCOPE))
 
 
+def new_span_id() -> int:
+    return random.getrandbits(64) or 1  # 0 is W3C's invalid id
+
+
 class RequestTrace:
     """One request's spans in this process: a SERVER root continuing the caller's trace context, and its children."""
 
@@ -129,12 +160,11 @@ class RequestTrace:
         if "traceparent" in carrier:
             parent = trace.get_current_span(PROPAGATOR.extract(carrier)).get_span_context()
         if parent is not None and parent.is_valid:  # its trace goes on, whatever its sampled flag says
-            trace_id, state = parent.trace_id, parent.trace_state
+            self.trace_id, self.state = parent.trace_id, parent.trace_state
         else:
-            parent, trace_id, state = None, tracing.ids.generate_trace_id(), None
-        self.tid = f"{trace_id:032x}"
-        self.context = SpanContext(trace_id, tracing.ids.generate_span_id(), False, SAMPLED, state)
-        self.root = LeanSpan(self, f"{method} {path}", self.context, parent, SpanKind.SERVER, start_ns,
+            parent, self.trace_id, self.state = None, tracing.ids.generate_trace_id(), None
+        self.tid = f"{self.trace_id:032x}"
+        self.root = LeanSpan(self, f"{method} {path}", new_span_id(), parent, SpanKind.SERVER, start_ns,
                              {"http.request.method": method, "url.path": path, REQUEST_ID_ATTR: rid,
                               **attributes(attrs)})
 
@@ -145,20 +175,17 @@ class RequestTrace:
     def span(self, name: str, start_ns: int | None = None, end_ns: int | None = None,
              parent: LeanSpan | None = None, kind: SpanKind = INTERNAL, **kw) -> LeanSpan:
         """A child of the root (or of `parent`), ended at end_ns when one is given."""
-        up = self.context if parent is None else parent.context
-        ctx = SpanContext(up.trace_id, self.tracing.ids.generate_span_id(), False, SAMPLED, up.trace_state)
-        s = LeanSpan(self, name, ctx, up, kind, start_ns, attributes(kw))
+        s = LeanSpan(self, name, new_span_id(), (parent or self.root).span_id, kind, start_ns, attributes(kw))
         if end_ns is not None:
             s.end(end_ns)
         return s
 
     def headers(self, span: LeanSpan | None = None) -> dict[str, str]:
         """traceparent (and tracestate) naming `span` (default: the root) as the parent of a request it sends (the
-        W3C format, as the propagator writes it)."""
-        ctx = self.context if span is None else span.context
-        out = {"traceparent": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"}
-        if ctx.trace_state:
-            out["tracestate"] = ctx.trace_state.to_header()
+        W3C format, as the propagator writes it; every span here is sampled)."""
+        out = {"traceparent": f"00-{self.tid}-{(span or self.root).span_id:016x}-01"}
+        if self.state:
+            out["tracestate"] = self.state.to_header()
         return out
 
     def end(self, status: int | None, end_ns: int | None = None, **kw) -> None:
@@ -192,8 +219,9 @@ class Tracing:
 
 def span_dict(span: LeanSpan) -> dict:
     res = span.resource.attributes
-    return {"trace_id": f"{span.context.trace_id:032x}", "span_id": f"{span.context.span_id:016x}",
-            "parent_id": f"{span.parent.span_id:016x}" if span.parent else None, "name": span.name,
+    pid = span.parent_id
+    return {"trace_id": span.tid, "span_id": f"{span.span_id:016x}",
+            "parent_id": f"{pid:016x}" if pid else None, "name": span.name,
             "service": res.get("service.name"), "role": res.get(ROLE_ATTR), "instance": res.get("service.instance.id"),
             "kind": span.kind.name.lower(), "start_ns": span.start_time, "end_ns": span.end_time,
             "status": span.status.status_code.name.lower(), "attributes": dict(span.attributes or {}),
@@ -208,18 +236,25 @@ class Recent:
 
     def __init__(self, keep: int):
         self.keep, self.lock = keep, threading.Lock()
-        self.traces: OrderedDict[str, deque[LeanSpan]] = OrderedDict()
+        self.traces: OrderedDict[str, list[LeanSpan]] = OrderedDict()
         self.by_request: OrderedDict[str, str] = OrderedDict()  # request id -> trace id; stale ones age out
 
     def add(self, span: LeanSpan, tid: str) -> None:
         rid = span.attributes.get(REQUEST_ID_ATTR)
+        if rid is None and (spans := self.traces.get(tid)) is not None:
+            spans.append(span)  # a known trace's span (one a concurrent eviction drops was going anyway)
+            if len(spans) > SPANS_PER_TRACE:
+                del spans[0]
+            return
         with self.lock:
             spans = self.traces.get(tid)
-            if spans is None:
-                spans = self.traces[tid] = deque(maxlen=SPANS_PER_TRACE)
+            if spans is None:  # a list: most traces hold a handful of spans, a deque's block is 64
+                spans = self.traces[tid] = []
                 if len(self.traces) > self.keep:
                     self.traces.popitem(last=False)
             spans.append(span)
+            if len(spans) > SPANS_PER_TRACE:
+                del spans[0]
             if rid:
                 self.by_request[rid] = tid
                 self.by_request.move_to_end(rid)
@@ -243,8 +278,8 @@ class Recent:
         out = []
         for tid, spans in items:
             start, end = min(s.start_time for s in spans), max(s.end_time for s in spans)
-            ids = {s.context.span_id for s in spans}
-            root = min((s for s in spans if not s.parent or s.parent.span_id not in ids), key=lambda s: s.start_time)
+            ids = {s.span_id for s in spans}
+            root = min((s for s in spans if s.parent_id not in ids), key=lambda s: s.start_time)
             rids = sorted({s.attributes[REQUEST_ID_ATTR] for s in spans if REQUEST_ID_ATTR in (s.attributes or {})})
             out.append({"trace_id": tid, "request_ids": rids[:20], "name": root.name, "start_ns": start,
                         "duration_ms": round((end - start) / 1e6, 3), "spans": len(spans)})
