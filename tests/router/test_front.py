@@ -87,7 +87,7 @@ def test_streams_are_relayed_whole_and_leave_no_cycles():
         assert events[-1] == "[DONE]" and json.loads(events[0])["priority"] is not None
 
 
-def test_pipelined_requests_continue_and_close():
+def test_pipelined_requests_continue_close_and_early_answers():
     upstream = StandIn()
 
     async def body(port: int) -> tuple[bytes, ...]:
@@ -98,10 +98,14 @@ def test_pipelined_requests_continue_and_close():
                 b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(request))
         continued = await exchange(port, head, until=b"100 Continue\r\n\r\n", then=request)
         malformed = await exchange(port, b"GET / HTTP/1.1\r\nBad Header\r\n\r\n", until=b"\r\n\r\n")
-        return pipelined, continued, malformed
+        # answered (404) before its body came: the rest is dropped and the connection goes on to the next request
+        early = await exchange(port, b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n12345",
+                               until=b"no route",
+                               then=b"67890GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        return pipelined, continued, malformed, early
 
     try:
-        pipelined, continued, malformed = asyncio.run(serving(upstream.url, body))
+        pipelined, continued, malformed, early = asyncio.run(serving(upstream.url, body))
     finally:
         upstream.stop()
     first, second = pipelined.split(b"HTTP/1.1 ")[1:]  # both answered, in order, on one connection
@@ -110,3 +114,5 @@ def test_pipelined_requests_continue_and_close():
     assert continued.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK")
     assert b"connection: close\r\n" in continued and continued.endswith(b"0\r\n\r\n")  # read to the close
     assert malformed.startswith(b"HTTP/1.1 400 Bad Request") and b"malformed request" in malformed
+    assert early.startswith(b"HTTP/1.1 404 Not Found") and b"connection: close" not in early.split(b"HTTP/1.1 200")[0]
+    assert early.split(b"\r\n\r\n")[-1] == b"ok" and b"HTTP/1.1 200 OK" in early

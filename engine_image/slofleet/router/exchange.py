@@ -36,6 +36,8 @@ class Exchange:
         self.head: list[bytes] | None = None  # the answer's status line and headers until written
         self.has_length = self.started = self.chunked = self.finished = False
         self.streaming = False  # the head is out and the body goes in chunks: write's short way
+        self.droppable = True  # if answered before its body is read, the rest may be read and dropped (front.py)
+        self.dropping = False  # it is being
         self.waiter: asyncio.Future | None = None
         self.source = None  # the replica connection relaying into this answer (paused while the client is)
         self.on_disconnect = None  # called if the client leaves (at most once), as ASGI's receive would tell
@@ -98,6 +100,8 @@ class Exchange:
         out = b""
         if not self.started:
             head, self.started = self.head, True
+            if not self.complete and not self.droppable:  # too much unread body to drop: the connection closes
+                self.keep_alive = False
             if not self.has_length:
                 self.chunked = more
                 head.append(b"transfer-encoding: chunked\r\n" if more else b"content-length: %d\r\n" % len(body))

@@ -20,6 +20,7 @@ from .exchange import Exchange
 
 log = logging.getLogger("slofleet.router")
 BODY_HIGH_WATER = 1 << 16  # request body bytes buffered before reading the client pauses until the app takes them
+DROP_LIMIT = 1 << 20  # an answered request's unread body up to this is read and dropped; a larger one closes
 
 
 class Connection(asyncio.Protocol):
@@ -33,6 +34,7 @@ class Connection(asyncio.Protocol):
         # closes it past its limit: no timer armed and cancelled per request)
         self.head_since: float | None = None
         self.idle_since: float | None = None
+        self.drop_since: float | None = None  # since when an answered request's unread body is being dropped
         self.parsing: Exchange | None = None  # the request whose body is arriving
         self.active: Exchange | None = None  # the request being answered
         self.queue: collections.deque[Exchange] = collections.deque()  # pipelined ones after it
@@ -100,9 +102,15 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.head_since = None
-        expect = any(k == b"expect" and v.lower() == b"100-continue" for k, v in self.headers)
+        expect, declared = False, 0
+        for k, v in self.headers:
+            if k == b"expect":
+                expect = v.lower() == b"100-continue"
+            elif k == b"content-length":
+                declared = int(v) if v.isdigit() else 0
         ex = Exchange(self, self.parser.get_method().decode("ascii"), self.url, self.headers,
                       self.parser.should_keep_alive() and not self.front.closing, expect)
+        ex.droppable = declared <= DROP_LIMIT
         self.parsing = ex
         if self.active is None:
             self.start(ex)
@@ -112,6 +120,8 @@ class Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         ex = self.parsing
+        if ex.dropping:
+            return
         ex.body.append(body)
         ex.buffered += len(body)
         if ex.buffered > BODY_HIGH_WATER:
@@ -119,8 +129,11 @@ class Connection(asyncio.Protocol):
         ex.wake()
 
     def on_message_complete(self) -> None:
-        self.parsing.complete = True
-        self.parsing.wake()
+        ex = self.parsing
+        ex.complete = True
+        ex.wake()
+        if ex.dropping:  # the rest of an answered request's body is in: the connection waits for the next one
+            self.drop_since, self.idle_since = None, self.loop.time()
 
     # the requests' lifecycle
     def start(self, ex: Exchange) -> None:
@@ -129,10 +142,18 @@ class Connection(asyncio.Protocol):
 
     def answered(self, ex: Exchange) -> None:
         """The answer is complete: the next pipelined request, or an idle connection that times out."""
-        if not ex.keep_alive or not ex.complete:  # an unread body would be parsed as the next request: close
+        if not ex.keep_alive:
             self.transport.close()
             return
         self.active = None
+        if not ex.complete:
+            # answered before its body was read (a 404, a 413): the rest is dropped as it arrives, then the next
+            # request, as uvicorn does; closing now would reset a connection the client may be reusing. The rest
+            # must come within the keep-alive timeout (the sweep), and a large one closes instead (Exchange.write).
+            ex.dropping, self.drop_since = True, self.loop.time()
+            ex.body.clear()
+            self.resume_body()
+            return
         if self.queue:
             self.start(self.queue.popleft())
             self.resume_body()
@@ -207,7 +228,8 @@ class Front:
             for c in list(self.connections):
                 if c.head_since is not None and now - c.head_since > self.head_timeout:
                     c.cut("not received in time")
-                elif c.idle_since is not None and now - c.idle_since > self.keep_alive:
+                elif (c.idle_since is not None and now - c.idle_since > self.keep_alive
+                      or c.drop_since is not None and now - c.drop_since > self.keep_alive):
                     c.transport.close()
 
     async def idle(self) -> None:
