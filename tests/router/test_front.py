@@ -102,10 +102,15 @@ def test_pipelined_requests_continue_close_and_early_answers():
         early = await exchange(port, b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n12345",
                                until=b"no route",
                                then=b"67890GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        return pipelined, continued, malformed, early
+        stream = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # HTTP/1.0 has no chunks: read to the close
+        writer.write(b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(stream), stream))
+        old = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        return pipelined, continued, malformed, early, old
 
     try:
-        pipelined, continued, malformed, early = asyncio.run(serving(upstream.url, body))
+        pipelined, continued, malformed, early, old = asyncio.run(serving(upstream.url, body))
     finally:
         upstream.stop()
     first, second = pipelined.split(b"HTTP/1.1 ")[1:]  # both answered, in order, on one connection
@@ -116,3 +121,6 @@ def test_pipelined_requests_continue_close_and_early_answers():
     assert malformed.startswith(b"HTTP/1.1 400 Bad Request") and b"malformed request" in malformed
     assert early.startswith(b"HTTP/1.1 404 Not Found") and b"connection: close" not in early.split(b"HTTP/1.1 200")[0]
     assert early.split(b"\r\n\r\n")[-1] == b"ok" and b"HTTP/1.1 200 OK" in early
+    head, _, rest = old.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK") and b"chunked" not in head and b"connection: close" in head
+    assert rest.startswith(b"data: {") and rest.endswith(b"data: [DONE]\n\n")

@@ -36,6 +36,7 @@ class Exchange:
         self.head: list[bytes] | None = None  # the answer's status line and headers until written
         self.has_length = self.started = self.chunked = self.finished = False
         self.streaming = False  # the head is out and the body goes in chunks: write's short way
+        self.http10 = False  # an HTTP/1.0 request (front.py sets it): a streamed answer without chunks
         self.droppable = True  # if answered before its body is read, the rest may be read and dropped (front.py)
         self.dropping = False  # it is being
         self.waiter: asyncio.Future | None = None
@@ -102,7 +103,9 @@ class Exchange:
             head, self.started = self.head, True
             if not self.complete and not self.droppable:  # too much unread body to drop: the connection closes
                 self.keep_alive = False
-            if not self.has_length:
+            if not self.has_length and more and self.http10:  # no chunks in HTTP/1.0: the body ends with the close
+                self.keep_alive = False
+            elif not self.has_length:
                 self.chunked = more
                 head.append(b"transfer-encoding: chunked\r\n" if more else b"content-length: %d\r\n" % len(body))
             if not self.keep_alive:

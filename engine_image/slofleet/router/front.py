@@ -110,7 +110,7 @@ class Connection(asyncio.Protocol):
                 declared = int(v) if v.isdigit() else 0
         ex = Exchange(self, self.parser.get_method().decode("ascii"), self.url, self.headers,
                       self.parser.should_keep_alive() and not self.front.closing, expect)
-        ex.droppable = declared <= DROP_LIMIT
+        ex.droppable, ex.http10 = declared <= DROP_LIMIT, self.parser.get_http_version() == "1.0"
         self.parsing = ex
         if self.active is None:
             self.start(ex)
