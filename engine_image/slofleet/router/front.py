@@ -152,13 +152,11 @@ class Connection(asyncio.Protocol):
             # must come within the keep-alive timeout (the sweep), and a large one closes instead (Exchange.write).
             ex.dropping, self.drop_since = True, self.loop.time()
             ex.body.clear()
-            self.resume_body()
-            return
-        if self.queue:
+        elif self.queue:
             self.start(self.queue.popleft())
-            self.resume_body()
         elif self.head_since is None:
             self.idle_since = self.loop.time()
+        self.resume_body()  # reading paused on a large body the app never read, or on a pipelined request
 
     def reject(self, status_line: bytes, message: bytes) -> None:
         if self.active is None:
