@@ -22,9 +22,11 @@ RELAY = "slofleet.relay"  # the scope's extension holding the Exchange, for the 
 class Exchange:
     """One request and its answer: what the app reads (scope, receive) and writes (send, write)."""
 
-    def __init__(self, conn: Connection, method: str, raw_path: bytes, headers: list, keep_alive: bool,
-                 expect_continue: bool):
+    def __init__(self, conn: Connection, method: str, raw_path: bytes, headers: list, *, keep_alive: bool,
+                 expect_continue: bool, droppable: bool, http10: bool):
         self.conn, self.method, self.keep_alive = conn, method, keep_alive
+        self.droppable = droppable  # if answered before its body is read, the rest may be read and dropped (front.py)
+        self.http10 = http10  # an HTTP/1.0 request: a streamed answer goes without chunks
         url = httptools.parse_url(raw_path)
         path = url.path.decode("latin-1")
         self.scope = {"type": "http", "asgi": ASGI, "http_version": "1.1",
@@ -36,9 +38,7 @@ class Exchange:
         self.head: list[bytes] | None = None  # the answer's status line and headers until written
         self.has_length = self.started = self.chunked = self.finished = False
         self.streaming = False  # the head is out and the body goes in chunks: write's short way
-        self.http10 = False  # an HTTP/1.0 request (front.py sets it): a streamed answer without chunks
-        self.droppable = True  # if answered before its body is read, the rest may be read and dropped (front.py)
-        self.dropping = False  # it is being
+        self.dropping = False  # answered early: the rest of its body is being dropped
         self.waiter: asyncio.Future | None = None
         self.source = None  # the replica connection relaying into this answer (paused while the client is)
         self.on_disconnect = None  # called if the client leaves (at most once), as ASGI's receive would tell

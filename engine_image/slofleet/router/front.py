@@ -109,8 +109,8 @@ class Connection(asyncio.Protocol):
             elif k == b"content-length":
                 declared = int(v) if v.isdigit() else 0
         ex = Exchange(self, self.parser.get_method().decode("ascii"), self.url, self.headers,
-                      self.parser.should_keep_alive() and not self.front.closing, expect)
-        ex.droppable, ex.http10 = declared <= DROP_LIMIT, self.parser.get_http_version() == "1.0"
+                      keep_alive=self.parser.should_keep_alive() and not self.front.closing, expect_continue=expect,
+                      droppable=declared <= DROP_LIMIT, http10=self.parser.get_http_version() == "1.0")
         self.parsing = ex
         if self.active is None:
             self.start(ex)

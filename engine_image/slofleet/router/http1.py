@@ -88,6 +88,13 @@ class Conn(asyncio.Protocol):
             self.hold()
         self.wake()
 
+    def take(self) -> bytes:
+        """The body bytes buffered so far, emptying the buffer."""
+        data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks.clear()
+        self.buffered = 0
+        return data
+
     def hold(self) -> None:
         """Stop reading from the replica (its answer is read faster than the client takes it)."""
         if not self.paused:
@@ -133,9 +140,7 @@ class Response:
             if c.complete:
                 return b""
             await c.wait()
-        data = c.chunks.popleft() if len(c.chunks) == 1 else b"".join(c.chunks)
-        c.chunks.clear()
-        c.buffered = 0
+        data = c.take()
         c.unhold()
         return data
 
@@ -147,9 +152,7 @@ class Response:
         c = self.conn
         c.sink, sink.source = sink, c
         if c.chunks or c.complete:  # arrived before the relay began
-            body = b"".join(c.chunks)
-            c.chunks.clear()
-            c.buffered = 0
+            body = c.take()
             if body:
                 c.relayed, c.tail = 1, body
             sink.write(body, not c.complete)

@@ -60,20 +60,8 @@ def with_request_id(send, rid: str):
     return sender
 
 
-class Qualified(dict):
-    """slofleet.NAME for each attribute name, made once per name (not a new string per span)."""
-
-    def __missing__(self, name: str) -> str:
-        self[name] = qualified = f"slofleet.{name}"
-        return qualified
-
-
-QUALIFIED = Qualified()
-
-
 def attributes(kw: dict) -> dict:
-    q = QUALIFIED
-    return {q[k]: v for k, v in kw.items() if v is not None}
+    return {f"slofleet.{k}": v for k, v in kw.items() if v is not None}
 
 
 def traces_url(endpoint: str) -> str:
@@ -241,25 +229,22 @@ class Recent:
 
     def add(self, span: LeanSpan, tid: str) -> None:
         rid = span.attributes.get(REQUEST_ID_ATTR)
-        if rid is None and (spans := self.traces.get(tid)) is not None:
-            spans.append(span)  # a known trace's span (one a concurrent eviction drops was going anyway)
-            if len(spans) > SPANS_PER_TRACE:
-                del spans[0]
-            return
-        with self.lock:
-            spans = self.traces.get(tid)
-            if spans is None:  # a list: most traces hold a handful of spans, a deque's block is 64
-                spans = self.traces[tid] = []
-                if len(self.traces) > self.keep:
-                    self.traces.popitem(last=False)
-            spans.append(span)
-            if len(spans) > SPANS_PER_TRACE:
-                del spans[0]
-            if rid:
-                self.by_request[rid] = tid
-                self.by_request.move_to_end(rid)
-                if len(self.by_request) > 4 * self.keep:
-                    self.by_request.popitem(last=False)
+        spans = self.traces.get(tid) if rid is None else None  # a known trace's span needs no lock
+        if spans is None:
+            with self.lock:
+                spans = self.traces.get(tid)
+                if spans is None:  # a list: most traces hold a handful of spans, a deque's block is 64
+                    spans = self.traces[tid] = []
+                    if len(self.traces) > self.keep:
+                        self.traces.popitem(last=False)
+                if rid:
+                    self.by_request[rid] = tid
+                    self.by_request.move_to_end(rid)
+                    if len(self.by_request) > 4 * self.keep:
+                        self.by_request.popitem(last=False)
+        spans.append(span)  # (one a concurrent eviction drops was going anyway)
+        if len(spans) > SPANS_PER_TRACE:
+            del spans[0]
 
     def get(self, key: str) -> dict | None:
         """{"trace_id", "spans"}: a trace's spans here, or a request's (the spans under those naming its request id;
