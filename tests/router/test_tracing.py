@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from slofleet.tracing.core import SPANS_PER_TRACE, Tracing, request_id
+from slofleet.tracing.core import SPANS_PER_REQUEST, Tracing, request_id
 from slofleet.tracing.waterfall import render
 from tests.support.otlp import OTLPStandIn
 from tests.support.router import RouterProc
@@ -109,19 +109,24 @@ def test_debug_traces_need_an_api_key_when_keys_are_set(tmp_path):
 def test_the_trace_store_stays_bounded_and_finds_one_request_in_a_shared_trace():
     tracing = Tracing("router", "router", keep=4)
     shared = {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}  # a client sending everything under one trace
-    for i in range(SPANS_PER_TRACE):
+    for i in range(64):
         rt = tracing.begin("POST", "/v1/completions", shared, f"r{i}")
         rt.span("gateway", end_ns=time.time_ns())
         rt.end(200)
     recent = tracing.recent
-    assert len(recent.traces[TRACE_ID]) == SPANS_PER_TRACE and len(recent.by_request) == 16
-    one = recent.get(f"r{SPANS_PER_TRACE - 1}")
+    assert len(recent.requests) == 4  # the last four requests, however many shared their trace
+    one = recent.get("r63")
     assert one["trace_id"] == TRACE_ID and [s["name"] for s in one["spans"]] == ["POST /v1/completions", "gateway"]
     assert recent.get("r0") is None  # aged out
     for i in range(5):  # new traces push the oldest out
         tracing.begin("POST", "/v1/completions", {}, f"n{i}").end(200)
-    assert len(recent.traces) == 4 and TRACE_ID not in recent.traces and recent.get("n4")["spans"]
+    assert len(recent.requests) == 4 and recent.get(TRACE_ID) is None and recent.get("n4")["spans"]
     assert [t["request_ids"] for t in recent.summaries()] == [["n4"], ["n3"], ["n2"], ["n1"]]
+    many = tracing.begin("POST", "/v1/completions", {}, "many")  # one request's spans are bounded too
+    for i in range(SPANS_PER_REQUEST + 10):
+        many.span("chunk", end_ns=time.time_ns(), index=i)
+    many.end(200)
+    assert len(recent.get("many")["spans"]) == SPANS_PER_REQUEST
     assert request_id("ok:1.a-b_c") == "ok:1.a-b_c" and request_id("a" * 128) == "a" * 128
     assert all(len(request_id(bad)) == 24 for bad in ("", "a" * 129, "a b", "a\n", "é", None))
 

@@ -25,7 +25,7 @@ from slofleet.api.contract import (
     SERVER_TIMING_HEADER,
     UNIFIED,
 )
-from slofleet.tracing.core import CLIENT, RequestTrace, attributes
+from slofleet.tracing.core import CLIENT, RequestTrace
 
 from .balancer import Balancer
 from .buckets import Classifier, Ticket
@@ -122,7 +122,7 @@ class Upstream:
                 prefill = self.balancer.choose(self.replicas.ready((PREFILL,)), key, bad_prefill)
             how = "least-load" if key is None and self.balancer.policy == "prefix" else self.balancer.policy
             self.metrics.routed.labels(name, how).inc()
-            choose.set_attributes(attributes({"how": how}))
+            choose.note(how=how)
             choose.end()
             self.metrics.phase.labels(name, "choose").observe((choose.end_time - choose.start_time - held) / 1e9)
             span = rt.span("upstream", kind=CLIENT, attempt=attempt, replica=replica.url,
@@ -154,7 +154,7 @@ class Upstream:
                 route = "disaggregated" if prefill is not None else "fallback" if long_prompt else "direct"
                 self.metrics.pd_routes.labels(name, route).inc()
                 self.observe_try(name, span, first_try, resp, prefill is not None)
-                span.set_attributes(attributes({"route": route, "status": resp.status}))
+                span.note(route=route, status=resp.status)
                 return replica, resp, first, span, (time.time_ns() - span.start_time) / 1e9
             except asyncio.TimeoutError:  # busy, maybe not dead: it stays in rotation, the budget is spent
                 outcome = "timeout"
@@ -176,7 +176,7 @@ class Upstream:
             finally:
                 if prefill is not None:
                     prefill.inflight -= 1
-            span.set_attributes(attributes({"outcome": outcome}))
+            span.note(outcome=outcome)
             span.end()
             replica.inflight -= 1
             if resp is not None:

@@ -7,19 +7,18 @@ A caller's traceparent is continued (its trace id kept) whatever its sampled fla
 ids and replica addresses, never prompt or output text."""
 from __future__ import annotations
 
+import collections
 import random
 import re
 import threading
 import time
 import urllib.parse
-from collections import OrderedDict
 from collections.abc import Awaitable
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -30,8 +29,8 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's own x-request-i
 REQUEST_ID_ATTR = "slofleet.request_id"
 ROLE_ATTR = "slofleet.role"
 PEER_ATTRS = ("slofleet.replica", "slofleet.prefill_replica")  # the engines a router span sent the request to
-KEEP = 256  # traces kept in memory per process (a few KiB each)
-SPANS_PER_TRACE = 1024
+KEEP = 512  # requests whose spans are kept in memory per process (a few KiB each)
+SPANS_PER_REQUEST = 1024
 PROPAGATOR = TraceContextTextMapPropagator()
 CLIENT, INTERNAL = SpanKind.CLIENT, SpanKind.INTERNAL
 
@@ -75,31 +74,39 @@ SAMPLED = TraceFlags(TraceFlags.SAMPLED)  # every request is sampled (see above)
 
 
 class LeanSpan:
-    """A span at the cost of a few stores, kept as it is in the in-memory store when it ends; a ReadableSpan is made
-    of it only for an OTLP exporter. The SDK's own Span (a sampler call, a lock, bounded attribute, event and link
-    lists, processors on start and end) costs ~15 us, and the router makes half a dozen per request on its hot path.
-    Ids are kept as ints and SpanContexts made only when asked for. Attribute values: str, int, float, bool."""
-    __slots__ = ("tracing", "tid", "trace_id", "state", "span_id", "up", "name", "kind", "start_time", "end_time",
-                 "attributes", "events", "status")
+    """A span at the cost of a few stores; a ReadableSpan is made of it only for an OTLP exporter. The SDK's own Span
+    (a sampler call, a lock, bounded attribute, event and link lists, processors on start and end) costs ~15 us, and
+    the router makes half a dozen per request on its hot path. Ids are kept as ints and SpanContexts made only when
+    asked for; the keyword attributes a span is made with are qualified (`slofleet.` prefixed) only when read.
+    Attribute values: str, int, float, bool."""
+    __slots__ = ("ctx", "span_id", "up", "name", "kind", "start_time", "end_time", "kw", "extra", "events", "status")
 
-    def __init__(self, rt: RequestTrace, name: str, span_id: int, up: int | SpanContext | None, kind: SpanKind,
-                 start_ns: int | None, attrs: dict):
-        # the trace's Tracing and ids, not the RequestTrace: its root span would make a cycle for the collector
-        self.tracing, self.tid, self.trace_id, self.state = rt.tracing, rt.tid, rt.trace_id, rt.state
-        self.span_id, self.up, self.name, self.kind = span_id, up, name, kind  # up: the parent's id, or a caller's
-        self.start_time, self.end_time, self.attributes = start_ns or time.time_ns(), None, attrs
+    def __init__(self, ctx: tuple, name: str, span_id: int, up: int | SpanContext | None, kind: SpanKind,
+                 start_ns: int | None, kw: dict, extra: dict | None = None):
+        # ctx: the trace's (Tracing, tid, trace_id, trace state), shared by its spans; not the RequestTrace, which
+        # holds its spans: that would make a cycle for the collector
+        self.ctx, self.span_id, self.up, self.name, self.kind = ctx, span_id, up, name, kind  # up: parent's id
+        self.start_time, self.end_time, self.kw, self.extra = start_ns or time.time_ns(), None, kw, extra
         self.events: list[Event] | tuple = ()  # a list once an event is added (most spans have none)
         self.status = UNSET
 
     @property
+    def tracing(self) -> Tracing:
+        return self.ctx[0]
+
+    @property
+    def tid(self) -> str:
+        return self.ctx[1]
+
+    @property
     def context(self) -> SpanContext:
-        return SpanContext(self.trace_id, self.span_id, False, SAMPLED, self.state)
+        return SpanContext(self.ctx[2], self.span_id, False, SAMPLED, self.ctx[3])
 
     @property
     def parent(self) -> SpanContext | None:
         """The parent span's context here, or the caller's for a root that continues one (None: a new trace)."""
         up = self.up
-        return SpanContext(self.trace_id, up, False, SAMPLED, self.state) if isinstance(up, int) else up
+        return SpanContext(self.ctx[2], up, False, SAMPLED, self.ctx[3]) if isinstance(up, int) else up
 
     @property
     def parent_id(self) -> int | None:
@@ -108,13 +115,23 @@ class LeanSpan:
 
     @property
     def resource(self) -> Resource:
-        return self.tracing.resource
+        return self.ctx[0].resource
+
+    @property
+    def attributes(self) -> dict:
+        return {**(self.extra or {}), **attributes(self.kw)}
 
     def set_attribute(self, key: str, value) -> None:
-        self.attributes[key] = value
+        self.set_attributes({key: value})
 
     def set_attributes(self, attrs: dict) -> None:
-        self.attributes.update(attrs)
+        if self.extra is None:
+            self.extra = {}
+        self.extra.update(attrs)
+
+    def note(self, **kw) -> None:
+        """Keyword attributes, as the span was made with (qualified when read)."""
+        self.kw.update(kw)
 
     def set_status(self, status: Status) -> None:
         self.status = status
@@ -125,11 +142,10 @@ class LeanSpan:
     def end(self, end_time: int | None = None) -> None:
         if self.end_time is None:  # once, as the SDK's
             self.end_time = end_time or time.time_ns()
-            tracing = self.tracing
-            tracing.recent.add(self, self.tid)
-            if tracing.export is not None:
-                tracing.export.on_end(ReadableSpan(
-                    self.name, self.context, self.parent, tracing.resource, self.attributes, self.events,
+            export = self.ctx[0].export
+            if export is not None:
+                export.on_end(ReadableSpan(
+                    self.name, self.context, self.parent, self.resource, self.attributes, self.events,
                     kind=self.kind, status=self.status, start_time=self.start_time, end_time=self.end_time,
                     instrumentation_scope=SCOPE))
 
@@ -139,7 +155,9 @@ def new_span_id() -> int:
 
 
 class RequestTrace:
-    """One request's spans in this process: a SERVER root continuing the caller's trace context, and its children."""
+    """One request's spans in this process: a SERVER root continuing the caller's trace context, and its children.
+    Its spans are in the store from the start, each shown once it has ended."""
+    __slots__ = ("tracing", "request_id", "trace_id", "state", "tid", "ctx", "root", "spans")
 
     def __init__(self, tracing: Tracing, method: str, path: str, carrier: dict[str, str], rid: str,
                  start_ns: int | None, attrs: dict):
@@ -150,11 +168,13 @@ class RequestTrace:
         if parent is not None and parent.is_valid:  # its trace goes on, whatever its sampled flag says
             self.trace_id, self.state = parent.trace_id, parent.trace_state
         else:
-            parent, self.trace_id, self.state = None, tracing.ids.generate_trace_id(), None
+            parent, self.trace_id, self.state = None, random.getrandbits(128) or 1, None
         self.tid = f"{self.trace_id:032x}"
-        self.root = LeanSpan(self, f"{method} {path}", new_span_id(), parent, SpanKind.SERVER, start_ns,
-                             {"http.request.method": method, "url.path": path, REQUEST_ID_ATTR: rid,
-                              **attributes(attrs)})
+        self.ctx = (tracing, self.tid, self.trace_id, self.state)
+        self.root = LeanSpan(self.ctx, f"{method} {path}", new_span_id(), parent, SpanKind.SERVER, start_ns, attrs,
+                             {"http.request.method": method, "url.path": path, REQUEST_ID_ATTR: rid})
+        self.spans = [self.root]
+        tracing.recent.add(self.tid, rid, self.spans)
 
     @property
     def start_ns(self) -> int:
@@ -163,7 +183,9 @@ class RequestTrace:
     def span(self, name: str, start_ns: int | None = None, end_ns: int | None = None,
              parent: LeanSpan | None = None, kind: SpanKind = INTERNAL, **kw) -> LeanSpan:
         """A child of the root (or of `parent`), ended at end_ns when one is given."""
-        s = LeanSpan(self, name, new_span_id(), (parent or self.root).span_id, kind, start_ns, attributes(kw))
+        s = LeanSpan(self.ctx, name, new_span_id(), (parent or self.root).span_id, kind, start_ns, kw)
+        if len(self.spans) < SPANS_PER_REQUEST:  # past it, a span works but is not kept
+            self.spans.append(s)
         if end_ns is not None:
             s.end(end_ns)
         return s
@@ -177,19 +199,21 @@ class RequestTrace:
         return out
 
     def end(self, status: int | None, end_ns: int | None = None, **kw) -> None:
+        root = self.root
         if status is not None:
-            self.root.set_attribute("http.response.status_code", status)
+            root.set_attribute("http.response.status_code", status)
             if status >= 500:
-                self.root.set_status(ERROR)
-        self.root.set_attributes(attributes(kw))
-        self.root.end(end_ns)
+                root.set_status(ERROR)
+        if kw:
+            root.kw = {**root.kw, **kw}
+        root.end(end_ns)
 
 
 class Tracing:
     def __init__(self, component: str, role: str, instance: str = "", otlp_endpoint: str = "", keep: int = KEEP):
         resource = {"service.name": f"slofleet-{component}", ROLE_ATTR: role, "service.instance.id": instance}
         self.resource = Resource.create({k: v for k, v in resource.items() if v})
-        self.recent, self.ids = Recent(keep), RandomIdGenerator()
+        self.recent = Recent(keep)
         self.export: SpanProcessor | None = None
         if otlp_endpoint:  # imported only then: protobuf and requests stay out of a process that exports nothing
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -218,54 +242,49 @@ def span_dict(span: LeanSpan) -> dict:
 
 
 class Recent:
-    """The last `keep` traces' ended spans, found by trace id or by request id; turned into plain dicts only when
-    asked for (on the request path a span costs a few dict operations here). Bounded however callers reuse ids: a
-    client that sends every request under one trace id fills that trace's span ring, no more."""
+    """The spans of the last `keep` requests (a ring: one append per request, no lookup structure to keep up), found
+    by trace id or by request id when asked for, and turned into plain dicts only then. A trace may span several
+    requests (retries, a client reusing a trace id): a look-up gathers it from every request kept."""
 
     def __init__(self, keep: int):
-        self.keep, self.lock = keep, threading.Lock()
-        self.traces: OrderedDict[str, list[LeanSpan]] = OrderedDict()
-        self.by_request: OrderedDict[str, str] = OrderedDict()  # request id -> trace id; stale ones age out
+        self.lock = threading.Lock()  # reads may come from another thread than the requests' loop
+        self.requests: collections.deque[tuple[str, str, list[LeanSpan]]] = collections.deque(maxlen=keep)
 
-    def add(self, span: LeanSpan, tid: str) -> None:
-        rid = span.attributes.get(REQUEST_ID_ATTR)
-        spans = self.traces.get(tid) if rid is None else None  # a known trace's span needs no lock
-        if spans is None:
-            with self.lock:
-                spans = self.traces.get(tid)
-                if spans is None:  # a list: most traces hold a handful of spans, a deque's block is 64
-                    spans = self.traces[tid] = []
-                    if len(self.traces) > self.keep:
-                        self.traces.popitem(last=False)
-                if rid:
-                    self.by_request[rid] = tid
-                    self.by_request.move_to_end(rid)
-                    if len(self.by_request) > 4 * self.keep:
-                        self.by_request.popitem(last=False)
-        spans.append(span)  # (one a concurrent eviction drops was going anyway)
-        if len(spans) > SPANS_PER_TRACE:
-            del spans[0]
+    def add(self, tid: str, rid: str, spans: list[LeanSpan]) -> None:
+        """A request's (trace id, request id, spans): the list is its RequestTrace's own, so spans made later are
+        in it too."""
+        with self.lock:
+            self.requests.append((tid, rid, spans))
+
+    def kept(self) -> list[tuple[str, str, list[LeanSpan]]]:
+        """(trace id, request id, its ended spans) of each request kept, newest first."""
+        with self.lock:
+            requests = list(self.requests)
+        return [(tid, rid, [s for s in list(spans) if s.end_time is not None])
+                for tid, rid, spans in reversed(requests)]
 
     def get(self, key: str) -> dict | None:
         """{"trace_id", "spans"}: a trace's spans here, or a request's (the spans under those naming its request id;
         a reused request id: its latest trace)."""
-        with self.lock:
-            tid = key if key in self.traces else self.by_request.get(key)
-            spans = list(self.traces.get(tid, ()))
-        if not spans:
+        kept = self.kept()
+        tid = key if any(t == key for t, _, _ in kept) else next((t for t, r, _ in kept if r == key), None)
+        found = sorted((span_dict(s) for t, _, spans in kept if t == tid for s in spans), key=lambda s: s["start_ns"])
+        if not found:
             return None
-        found = [span_dict(s) for s in spans]
         return {"trace_id": tid, "spans": found if key == tid else subtree(found, key)}
 
     def summaries(self) -> list[dict]:
-        with self.lock:
-            items = [(tid, list(spans)) for tid, spans in reversed(self.traces.items())]
+        traces: dict[str, list[LeanSpan]] = {}  # newest first, as kept() gives them
+        for tid, _, spans in self.kept():
+            traces.setdefault(tid, []).extend(spans)
         out = []
-        for tid, spans in items:
+        for tid, spans in traces.items():
+            if not spans:
+                continue
             start, end = min(s.start_time for s in spans), max(s.end_time for s in spans)
             ids = {s.span_id for s in spans}
             root = min((s for s in spans if s.parent_id not in ids), key=lambda s: s.start_time)
-            rids = sorted({s.attributes[REQUEST_ID_ATTR] for s in spans if REQUEST_ID_ATTR in (s.attributes or {})})
+            rids = sorted({s.extra[REQUEST_ID_ATTR] for s in spans if s.extra and REQUEST_ID_ATTR in s.extra})
             out.append({"trace_id": tid, "request_ids": rids[:20], "name": root.name, "start_ns": start,
                         "duration_ms": round((end - start) / 1e6, 3), "spans": len(spans)})
         return out
