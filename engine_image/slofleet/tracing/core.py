@@ -1,5 +1,6 @@
 """One trace per request across router and engines: the W3C trace context in and out, OpenTelemetry spans, OTLP
-export when an endpoint is given, and the last traces kept in memory for GET /debug/traces (no collector needed).
+export when an endpoint is given, and the last requests' spans kept in memory for GET /debug/traces (no collector
+needed).
 
 Each process keeps and exports its own spans (never through the global TracerProvider) and samples every request:
 an LLM request costs far more than its dozen spans, and the store must hold the one slow request someone asks about.
@@ -156,7 +157,8 @@ def new_span_id() -> int:
 
 class RequestTrace:
     """One request's spans in this process: a SERVER root continuing the caller's trace context, and its children.
-    Its spans are in the store from the start, each shown once it has ended."""
+    Its spans are in the store from the start, each shown once it has ended (by trace id; by request id, once the
+    root has)."""
     __slots__ = ("tracing", "request_id", "trace_id", "state", "tid", "ctx", "root", "spans")
 
     def __init__(self, tracing: Tracing, method: str, path: str, carrier: dict[str, str], rid: str,
