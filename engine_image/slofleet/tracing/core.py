@@ -92,10 +92,6 @@ class LeanSpan:
         self.status = UNSET
 
     @property
-    def tracing(self) -> Tracing:
-        return self.ctx[0]
-
-    @property
     def tid(self) -> str:
         return self.ctx[1]
 
@@ -206,8 +202,7 @@ class RequestTrace:
             root.set_attribute("http.response.status_code", status)
             if status >= 500:
                 root.set_status(ERROR)
-        if kw:
-            root.kw = {**root.kw, **kw}
+        root.note(**kw)
         root.end(end_ns)
 
 
@@ -286,7 +281,7 @@ class Recent:
             start, end = min(s.start_time for s in spans), max(s.end_time for s in spans)
             ids = {s.span_id for s in spans}
             root = min((s for s in spans if s.parent_id not in ids), key=lambda s: s.start_time)
-            rids = sorted({s.extra[REQUEST_ID_ATTR] for s in spans if s.extra and REQUEST_ID_ATTR in s.extra})
+            rids = sorted({a[REQUEST_ID_ATTR] for a in (s.attributes for s in spans) if REQUEST_ID_ATTR in a})
             out.append({"trace_id": tid, "request_ids": rids[:20], "name": root.name, "start_ns": start,
                         "duration_ms": round((end - start) / 1e6, 3), "spans": len(spans)})
         return out
