@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import random
 import re
-import threading
 import time
 import urllib.parse
 from collections.abc import Awaitable
@@ -155,20 +154,20 @@ class RequestTrace:
     """One request's spans in this process: a SERVER root continuing the caller's trace context, and its children.
     Its spans are in the store from the start, each shown once it has ended (by trace id; by request id, once the
     root has)."""
-    __slots__ = ("tracing", "request_id", "trace_id", "state", "tid", "ctx", "root", "spans")
+    __slots__ = ("request_id", "tid", "ctx", "root", "spans")
 
     def __init__(self, tracing: Tracing, method: str, path: str, carrier: dict[str, str], rid: str,
                  start_ns: int | None, attrs: dict):
-        self.tracing, self.request_id = tracing, rid
+        self.request_id = rid
         parent = None
         if "traceparent" in carrier:
             parent = trace.get_current_span(PROPAGATOR.extract(carrier)).get_span_context()
         if parent is not None and parent.is_valid:  # its trace goes on, whatever its sampled flag says
-            self.trace_id, self.state = parent.trace_id, parent.trace_state
+            trace_id, state = parent.trace_id, parent.trace_state
         else:
-            parent, self.trace_id, self.state = None, random.getrandbits(128) or 1, None
-        self.tid = f"{self.trace_id:032x}"
-        self.ctx = (tracing, self.tid, self.trace_id, self.state)
+            parent, trace_id, state = None, random.getrandbits(128) or 1, None
+        self.tid = f"{trace_id:032x}"
+        self.ctx = (tracing, self.tid, trace_id, state)
         self.root = LeanSpan(self.ctx, f"{method} {path}", new_span_id(), parent, SpanKind.SERVER, start_ns, attrs,
                              {"http.request.method": method, "url.path": path, REQUEST_ID_ATTR: rid})
         self.spans = [self.root]
@@ -192,8 +191,9 @@ class RequestTrace:
         """traceparent (and tracestate) naming `span` (default: the root) as the parent of a request it sends (the
         W3C format, as the propagator writes it; every span here is sampled)."""
         out = {"traceparent": f"00-{self.tid}-{(span or self.root).span_id:016x}-01"}
-        if self.state:
-            out["tracestate"] = self.state.to_header()
+        state = self.ctx[3]
+        if state:
+            out["tracestate"] = state.to_header()
         return out
 
     def end(self, status: int | None, end_ns: int | None = None, **kw) -> None:
@@ -244,19 +244,17 @@ class Recent:
     requests (retries, a client reusing a trace id): a look-up gathers it from every request kept."""
 
     def __init__(self, keep: int):
-        self.lock = threading.Lock()  # reads may come from another thread than the requests' loop
+        # no lock: a deque's append and its copy into a list are each one step under the GIL, whatever thread reads
         self.requests: collections.deque[tuple[str, str, list[LeanSpan]]] = collections.deque(maxlen=keep)
 
     def add(self, tid: str, rid: str, spans: list[LeanSpan]) -> None:
         """A request's (trace id, request id, spans): the list is its RequestTrace's own, so spans made later are
         in it too."""
-        with self.lock:
-            self.requests.append((tid, rid, spans))
+        self.requests.append((tid, rid, spans))
 
     def kept(self) -> list[tuple[str, str, list[LeanSpan]]]:
         """(trace id, request id, its ended spans) of each request kept, newest first."""
-        with self.lock:
-            requests = list(self.requests)
+        requests = list(self.requests)
         return [(tid, rid, [s for s in list(spans) if s.end_time is not None])
                 for tid, rid, spans in reversed(requests)]
 
