@@ -3,6 +3,7 @@ it."""
 import argparse
 
 import numpy as np
+import pytest
 import yaml
 
 from slofleet.autoscaler import preview, simulate_cli, traces
@@ -72,4 +73,35 @@ def test_a_spec_the_simulator_cannot_model_is_refused(tmp_path, capsys):
         "model": {"name": "m", "source": "embedded"},
         "topology": {"mode": "disaggregated", "prefill": {}, "decode": {}}}}))
     assert simulate_cli.run(parse("--llmservice", str(path), "--traces", "conversation")) == 2
-    assert "unified" in capsys.readouterr().out
+    assert "unified" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--llmservice", "{bundle}"], None),  # an LLMService among other kinds: previewed
+    (["--llmservice", "{policy}"], "0 LLMService documents (kinds in it: SLOPolicy)"),
+    (["--llmservice", "{readme}"], "not YAML"),
+    (["--llmservice", "{inverted}"], "minReplicas must be <= maxReplicas"),
+    (["--llmservice", "{example}", "--price-per-hour", "-3"], "--price-per-hour must be 0 or more"),
+    (["--llmservice", "{example}", "--compare", "{missing}"], "No such file"),
+    (["--replica-profile", "{readme}"], "--replica-profile"),
+    (["--target", "95"], "at most 1"),
+    (["--hours", "inf"], "--hours must be a number above 0"),
+    (["--png", "{missing}/x.png"], "its folder does not exist"),
+])
+def test_bad_arguments_and_files_get_one_line_and_exit_2(tmp_path, capsys, argv, says):
+    bundle = tmp_path / "bundle.yaml"
+    bundle.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n---\n" + EXAMPLE.read_text())
+    inverted = tmp_path / "inverted.yaml"
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["topology"]["unified"] = {"minReplicas": 5, "maxReplicas": 2}
+    inverted.write_text(yaml.safe_dump(doc))
+    files = {"bundle": bundle, "inverted": inverted, "example": EXAMPLE, "readme": ROOT / "README.md",
+             "policy": ROOT / "manifests" / "examples" / "slopolicy.yaml", "missing": tmp_path / "missing"}
+    argv = [a.format(**files) for a in argv]
+    no_png = [] if "--png" in argv else ["--png", ""]
+    rc = simulate_cli.run(parse(*argv, *no_png, "--traces", "code", "--policies", "slofleet"))
+    out, err = capsys.readouterr()
+    if says is None:
+        assert rc == 0 and "bundle.yaml" in out
+        return
+    assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err

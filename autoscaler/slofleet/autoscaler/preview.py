@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import yaml
+from pydantic import ValidationError
 
+from slofleet.api.base import error_text
 from slofleet.api.contract import UNIFIED
 from slofleet.api.v1alpha1 import LLMService
 from slofleet.router.buckets import Classifier, parse_buckets
@@ -33,10 +36,25 @@ PEAK_SHARE, MEAN_SHARE = 0.75, 0.5  # default load: a day's busiest minute, a re
 
 
 def load_service(path: str) -> LLMService:
-    svc = LLMService.model_validate(yaml.safe_load(Path(path).read_text()))
+    """The one LLMService of a YAML file (documents of other kinds beside it, as in a bundle, are passed over)."""
+    try:
+        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d is not None]
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not YAML: {' '.join(str(e).split())}") from None
+    found = [d for d in docs if isinstance(d, dict) and d.get("kind", "LLMService") == "LLMService"]
+    if len(found) != 1:
+        kinds = sorted({str(d.get("kind")) for d in docs if isinstance(d, dict)})
+        raise ValueError(f"{path}: {len(found)} LLMService documents (kinds in it: {', '.join(kinds) or 'none'}); "
+                         "give a file with one")
+    try:
+        svc = LLMService.model_validate(found[0])
+    except ValidationError as e:
+        raise ValueError(f"{path}: not a valid LLMService: {error_text(e)}") from None
     if svc.spec.topology.mode != UNIFIED:
         raise ValueError(f"{path}: the fleet simulator models unified replicas; topology.mode is "
                          f"{svc.spec.topology.mode}")
+    if svc.spec.topology.pools()[UNIFIED].max_replicas < 1:
+        raise ValueError(f"{path}: topology.unified.maxReplicas is 0; the fleet simulator needs at least one replica")
     if svc.spec.policy_ref and not svc.spec.buckets:
         raise ValueError(f"{path}: spec.policyRef names an SLOPolicy; give its buckets inline to preview them")
     return svc
@@ -104,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
     paths = [args.llmservice] + ([args.compare] if args.compare else [])
     try:
         specs = [load_service(p) for p in paths]
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        print(f"cannot preview: {e}")
+    except (OSError, ValueError) as e:
+        print(f"slofleet simulate: cannot preview: {e}", file=sys.stderr)
         return 2
     args = load_args(args, specs[0])  # the same requests for both: sized by the current spec
     prof, labels = profiles.load(args.profile), ["current", "proposed"][:len(paths)]

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import sys
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 from . import profiles, traces
 from .baselines import HPA, HPABehavior, KEDAQueue, Oracle, Static, Thresholds
@@ -153,24 +155,46 @@ def static_peak(name: str, args: argparse.Namespace, pool: ProcessPoolExecutor) 
     return found.get(hi) or run_one(("static-peak", name, args, hi))
 
 
-def run(args: argparse.Namespace) -> int:
+def problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, in one line, or None."""
     names = [t for t in args.traces.split(",") if t]
-    if [x for x in names if x not in TRACES]:
-        print(f"unknown trace: {', '.join(x for x in names if x not in TRACES)}")
-        return 2
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = [x for x in names if x not in TRACES] + [x for x in policies if x.partition(":")[0] not in POLICIES]
+    if unknown or not names:
+        return f"unknown trace or policy: {', '.join(unknown) or '(no trace)'}; traces: {', '.join(TRACES)}"
     if args.compare and not args.llmservice:
-        print("--compare needs --llmservice (the current spec it is compared with)")
+        return "--compare needs --llmservice (the current spec it is compared with)"
+    for flag, value in (("--ttft", args.ttft), ("--tpot", args.tpot), ("--peak-replicas", args.peak_replicas),
+                        ("--replay-replicas", args.replay_replicas), ("--hours", args.hours)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            return f"{flag} must be a number above 0, got {value:g}"
+    if not 0 < args.target <= 1:
+        return f"--target is the share of requests to meet the SLO, above 0 and at most 1, got {args.target:g}"
+    if args.price_per_hour is not None and not (args.price_per_hour >= 0 and math.isfinite(args.price_per_hour)):
+        return f"--price-per-hour must be 0 or more, got {args.price_per_hour:g}"
+    if args.png and not Path(args.png).resolve().parent.is_dir():
+        return f"--png {args.png}: its folder does not exist"
+    if args.jobs < 1:
+        return f"--jobs must be at least 1, got {args.jobs}"
+    try:
+        profiles.load(args.profile)
+    except (OSError, ValueError, TypeError) as e:
+        return f"--replica-profile {args.profile}: cannot load it ({e}); give gpu, cpu or a profile JSON file"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    wrong = problem(args)
+    if wrong:
+        print(f"slofleet simulate: {wrong}", file=sys.stderr)
         return 2
     if args.llmservice:
         from . import preview
         return preview.run(args)
     args = argparse.Namespace(**{**vars(args), "peak_replicas": args.peak_replicas or 20.0,
                                  "replay_replicas": args.replay_replicas or 2.0})
+    names = [t for t in args.traces.split(",") if t]
     policies = [p for p in args.policies.split(",") if p]
-    unknown = [x for x in names if x not in TRACES] + [x for x in policies if x.partition(":")[0] not in POLICIES]
-    if unknown:
-        print(f"unknown trace or policy: {', '.join(unknown)}")
-        return 2
     prof = profiles.load(args.profile)
     print(f"profile {prof.name}: {prof.source}")
     results: dict[str, list[Result]] = {}

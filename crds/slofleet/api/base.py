@@ -1,13 +1,23 @@
 """What every custom-resource model shares: camelCase on the wire, CEL rules beside their fields, plain defaults."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 def to_camel(name: str) -> str:
     # pydantic's to_camel capitalises after digits (e2e_ms -> e2EMs); Kubernetes style is e2eMs.
     head, *rest = name.split("_")
     return head + "".join(w[:1].upper() + w[1:] for w in rest)
+
+
+def error_text(e: ValidationError, most: int = 5) -> str:
+    """A validation error in one line: each field's path and what is wrong with it (the first `most` of them)."""
+    parts = []
+    for err in e.errors()[:most]:
+        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        msg = "unknown field: remove it or check its spelling" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
 
 
 def rules(*pairs: tuple[str, str]) -> dict:

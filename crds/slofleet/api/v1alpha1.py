@@ -120,6 +120,9 @@ class Engine(_Model):
         return self
 
 
+MIN_MAX, WITHIN = "minReplicas must be <= maxReplicas", "replicas must lie within [minReplicas, maxReplicas]"
+
+
 class Pool(_Model):
     """Replica bounds of one role. With autoscaling on, the autoscaler's decision is clamped to them;
     with it off, `replicas` (or `minReplicas`) is the count."""
@@ -127,10 +130,18 @@ class Pool(_Model):
     max_replicas: int = Field(1, ge=0)
     replicas: int | None = Field(None, ge=0, description="fixed count when autoscaling is off")
     model_config = ConfigDict(json_schema_extra=_rules(
-        ("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
-        ("!has(self.replicas) || (self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas)",
-         "replicas must lie within [minReplicas, maxReplicas]"),
+        ("self.minReplicas <= self.maxReplicas", MIN_MAX),
+        ("!has(self.replicas) || (self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas)", WITHIN),
     ))
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Pool:
+        # the CEL rules above, for a spec the API server never sees (slofleet simulate --llmservice FILE)
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(MIN_MAX)
+        if self.replicas is not None and not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(WITHIN)
+        return self
 
 
 class Topology(_Model):

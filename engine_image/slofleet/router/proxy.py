@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from slofleet.api import v1alpha1 as api
+from slofleet.api.base import error_text
 from slofleet.api.contract import BUCKET_HEADER, REQUEST_ID_HEADER, ROUTER, TPOT_HEADER
 from slofleet.tracing.core import RequestTrace, Tracing, request_id, with_request_id
 
@@ -46,7 +47,7 @@ from .http1 import Pool
 from .metrics import RouterMetrics
 from .replicas import ReplicaSet
 from .upstream import GENERATE, RETRYABLE, SERVING, Upstream
-from .wire import RoutedBody, error_body, headers_of, internal_auth, invalid, respond, with_field
+from .wire import RoutedBody, error_body, headers_of, internal_auth, respond, with_field
 
 log = logging.getLogger("slofleet.router")
 COMPLETIONS_MAX_TOKENS = 16  # what /v1/completions generates without max_tokens (OpenAI's default, the engine's)
@@ -232,7 +233,7 @@ class Router:
         except Admission as e:
             return await self.reject(send, bucket, "shed", 429, str(e), "rate_limit_exceeded", e.retry_after)
         except ValidationError as e:
-            return await self.reject(send, bucket, "invalid", 400, f"invalid request: {invalid(e)}",
+            return await self.reject(send, bucket, "invalid", 400, f"invalid request: {error_text(e)}",
                                      "invalid_request_error")
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
             return await self.reject(send, bucket, "invalid", 400, f"the request body is not an OpenAI request: {e}",

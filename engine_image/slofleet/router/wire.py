@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from slofleet.api import contract
 
@@ -48,11 +48,6 @@ def error_body(status: int, message: str, kind: str) -> bytes:
 def sse_error(status: int, message: str, kind: str) -> bytes:
     """The event that ends a stream cut after its first byte (the openai client raises it as an APIError)."""
     return b"data: " + error_body(status, message, kind) + b"\n\n"
-
-
-def invalid(e: ValidationError) -> str:
-    """A validation error in one line, naming each field."""
-    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
 
 
 async def respond(send, status: int, body: bytes, content_type: bytes = b"application/json",

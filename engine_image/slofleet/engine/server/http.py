@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from slofleet.api.base import error_text
 from slofleet.api.contract import error_body
 
 from ..errors import AdmissionError, InvalidRequest, UpstreamError
@@ -39,15 +40,6 @@ def from_engine(e: InvalidRequest | AdmissionError | UpstreamError) -> ApiError:
 
 def unavailable(message: str, retry_after: int | None = None) -> ApiError:
     return ApiError(503, message, "unavailable", headers={"Retry-After": str(retry_after)} if retry_after else None)
-
-
-def error_text(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors()[:5]:
-        loc = ".".join(str(x) for x in err["loc"]) or "body"
-        msg = "unknown field: remove it or check its spelling" if err["type"] == "extra_forbidden" else err["msg"]
-        parts.append(f"{loc}: {msg}")
-    return "; ".join(parts)
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:
