@@ -179,7 +179,7 @@ def test_a_malformed_keys_file_is_logged_and_the_old_keys_stay(tmp_path, caplog)
     path.write_text("sk-a rpm=-1\n")
     out = subprocess.run([sys.executable, "-m", "slofleet.cli", "router", "--upstream", "http://127.0.0.1:9",
                           "--api-keys-file", str(path)], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert out.returncode == 2 and "line 1: rpm and tpm must be >= 0" in out.stdout
+    assert out.returncode == 2 and "line 1: rpm and tpm must be >= 0" in out.stderr
 
 
 def test_keys_are_compared_in_constant_time_against_every_key(monkeypatch):

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import sys
 import typing
+import urllib.parse
 
 from slofleet.api.contract import (
     DECODE,
@@ -105,6 +108,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
+# flag -> (least, most, whether the least itself is refused): the numbers no setting makes sense outside of
+BOUNDS = {"port": (1, 65535, False), "capacity_per_replica": (1, None, False), "workers": (1, None, False),
+          "max_body_bytes": (1, None, False), "max_prompt_tokens": (1, None, False), "max_attempts": (1, None, False),
+          "max_model_len": (1, None, False), "max_header_bytes": (1, None, False),
+          "prefix_index_blocks": (1, None, False), "affinity_chars": (1, None, False),
+          "keep_alive_timeout": (0, None, False), "prefill_threshold_tokens": (0, None, False), "rpm": (0, None, False),
+          "tpm": (0, None, False), "hold_timeout_seconds": (0, None, False), "grace_period": (0, None, False),
+          "drain_delay": (0, None, False), "load_factor": (1, None, False), "upstream_ttfb_timeout": (0, None, True),
+          "upstream_idle_timeout": (0, None, True), "body_timeout": (0, None, True), "header_timeout": (0, None, True),
+          "health_interval": (0, None, True), "chars_per_token": (0, None, True), "min_shed_share": (0, 1, True)}
+
+
+def problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags, in one line, or None."""
+    for name, (least, most, above) in BOUNDS.items():
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if not math.isfinite(value) or (value <= least if above else value < least):
+            return f"{flag} must be {'above' if above else 'at least'} {least}, got {value:g}"
+        if most is not None and value > most:
+            return f"{flag} must be at most {most}, got {value:g}"
+    for url in args.upstream + args.prefill_upstream + args.decode_upstream:
+        try:
+            u = urllib.parse.urlsplit(url)
+            ok = u.scheme == "http" and bool(u.hostname) and (u.port is None or 0 < u.port) and u.path in ("", "/")
+        except ValueError:
+            ok = False
+        if not ok:
+            return f"an upstream must be http://HOST[:PORT] (engines serve plain HTTP), got {url!r}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from .balancer import Balancer
     from .buckets import DEFAULT_BUCKETS, Classifier, load_buckets
@@ -113,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
     from .replicas import ReplicaSet, kubernetes_lister, llmservice_selector, service_selector
     from .server import fork_workers, listen_socket, serve
 
+    if wrong := problem(args):
+        print(f"slofleet router: {wrong}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.workers > 1 and (rc := fork_workers(args.workers)) is not None:
         return rc  # the parent, once its workers ended; each worker goes on below to build its own router
@@ -120,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
               **{u: DECODE for u in args.decode_upstream}}
     if sum(map(bool, (static, args.k8s_service, args.k8s_llmservice))) != 1:
         print("slofleet router: give either --upstream/--prefill-upstream/--decode-upstream (repeatable), "
-              "--k8s-service or --k8s-llmservice")
+              "--k8s-service or --k8s-llmservice", file=sys.stderr)
         return 2
     lister = None
     if args.k8s_service or args.k8s_llmservice:
@@ -139,12 +176,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         keys = KeyStore(args.api_keys_file, args.api_keys_env, args.rpm, args.tpm)
     except (OSError, ValueError) as e:
-        print(f"slofleet router: {e}")
+        print(f"slofleet router: {e}", file=sys.stderr)
         return 2
     precise = None
     if args.policy == "precise":
         if not args.model:
-            print("slofleet router: --policy precise needs --model (the engines' own)")
+            print("slofleet router: --policy precise needs --model (the engines' own)", file=sys.stderr)
             return 2
         from .kv_index import Precise
         precise = Precise(args.model, args.kv_events_endpoint, args.kv_events_replay_endpoint, args.prefix_index_blocks)
@@ -153,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock = listen_socket(args.host, args.port, reuse_port=args.workers > 1)
     except OSError as e:
-        print(f"slofleet router: cannot listen on {args.host}:{args.port}: {e}")
+        print(f"slofleet router: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
     serve(app, sock, head_timeout=args.header_timeout, max_head_bytes=args.max_header_bytes,
           keep_alive=args.keep_alive_timeout, drain_delay=args.drain_delay, grace_period=args.grace_period)

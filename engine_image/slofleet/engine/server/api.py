@@ -60,6 +60,7 @@ class State:
         self.draining = False
         self.load_error: BaseException | None = None
         self.kv_events: KVEventPublisher | None = None  # with --kv-events-endpoint
+        self.on_load_failure: Callable[[], None] | None = None  # `slofleet serve` stops: nothing here will serve
 
     @property
     def failure(self) -> BaseException | None:
@@ -82,8 +83,13 @@ class State:
             self.ready = True
             log.info("ready: serving %s", engine.model_name)
         except BaseException as e:
-            log.exception("model load failed")
+            if isinstance(e, (OSError, ValueError)):  # a path, a setting or an address: the message says which
+                log.error("model load failed: %s", e)
+            else:
+                log.exception("model load failed")
             self.load_error = e
+            if self.on_load_failure is not None:
+                self.on_load_failure()
 
     def exit_soon(self) -> None:
         """The engine loop died: nothing here can serve again, so let the pod restart."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
 import threading
 
 from ..config import EngineConfig
@@ -37,13 +38,12 @@ def run(args: argparse.Namespace) -> int:
 
     from .api import build_app
 
-    settings = _from_args(ServerSettings, args)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = _from_args(EngineConfig, args)
+        settings, config = _from_args(ServerSettings, args), _from_args(EngineConfig, args)
     except ValueError as e:
-        print(f"slofleet serve: {e}")
+        print(f"slofleet serve: {e}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(config, settings)
 
     class DrainingServer(uvicorn.Server):
@@ -66,5 +66,10 @@ def run(args: argparse.Namespace) -> int:
 
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                            timeout_graceful_shutdown=settings.grace_period))
+    state = app.state.slofleet
+    state.on_load_failure = lambda: setattr(server, "should_exit", True)
     server.run()
+    if state.load_error is not None:
+        print(f"slofleet serve: the engine did not start: {state.load_error}", file=sys.stderr)
+        return 1
     return 0

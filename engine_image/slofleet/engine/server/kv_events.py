@@ -106,9 +106,10 @@ class KVEventPublisher:
             if replay_endpoint:
                 self.replay = self.ctx.socket(zmq.ROUTER)
                 self.replay.bind(replay_endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as e:
             self.ctx.destroy(linger=0)
-            raise
+            raise OSError(f"cannot bind the KV events sockets ({endpoint}, replay {replay_endpoint or 'off'}): "
+                          f"{e}") from None
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         pool, kv = engine.kv.pool, engine.kv

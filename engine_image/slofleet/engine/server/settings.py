@@ -40,3 +40,32 @@ class ServerSettings:
         "help": "with an internal token, every /v1/* call needs it; --no-require-internal-token lets callers without "
                 "it use the generation endpoints (completions, chat, models): a gateway and its endpoint picker in "
                 "front of the engines, where the NetworkPolicy admits only them. KV hand-off and drain still need it"})
+
+    def __post_init__(self) -> None:
+        problems = [f"--port must be 1-65535, got {self.port}" if not 0 < self.port < 65536 else None,
+                    *(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name):g}"
+                      for name in ("grace_period", "drain_delay", "price_per_hour", "request_read_timeout")
+                      if not getattr(self, name) >= 0),
+                    f"--max-request-bytes must be at least 1, got {self.max_request_bytes}"
+                    if self.max_request_bytes < 1 else None,
+                    zmq_problem("--kv-events-endpoint", self.kv_events_endpoint),
+                    zmq_problem("--kv-events-replay-endpoint", self.kv_events_replay_endpoint),
+                    "--kv-events-replay-endpoint needs --kv-events-endpoint (it replays what that one published)"
+                    if self.kv_events_replay_endpoint and not self.kv_events_endpoint else None]
+        problems = [p for p in problems if p]
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def zmq_problem(flag: str, address: str) -> str | None:
+    """What is wrong with a ZMQ bind address (tcp://HOST:PORT, tcp://*:PORT, ipc://PATH), or None."""
+    if not address:
+        return None
+    scheme, sep, rest = address.partition("://")
+    if sep and rest and scheme == "ipc":
+        return None
+    host, _, port = rest.rpartition(":")
+    if sep and scheme == "tcp" and host and (port == "*" or port.isdigit() and 0 < int(port) < 65536):
+        return None
+    return f"{flag} must be a ZMQ address such as tcp://0.0.0.0:5557 or ipc:///tmp/kv-events, got {address!r}"
+

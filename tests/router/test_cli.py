@@ -1,0 +1,42 @@
+"""`slofleet router` refuses flags no setting makes sense with (an upstream it could not call, a bound below its
+least) with one line and exit code 2, before it listens."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from slofleet.router import cli
+
+UP = ["--upstream", "http://127.0.0.1:1"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--upstream", "foo"], "an upstream must be http://HOST[:PORT]"),
+    (["--decode-upstream", "https://engine:8000"], "an upstream must be http://HOST[:PORT]"),
+    (["--upstream", "http://engine:99999"], "an upstream must be http://HOST[:PORT]"),
+    (["--upstream", "http://engine:8000/v1"], "an upstream must be http://HOST[:PORT]"),
+    ([*UP, "--port", "70000"], "--port must be at most 65535"),
+    ([*UP, "--capacity-per-replica", "0"], "--capacity-per-replica must be at least 1"),
+    ([*UP, "--workers", "0"], "--workers must be at least 1"),
+    ([*UP, "--max-body-bytes", "-5"], "--max-body-bytes must be at least 1"),
+    ([*UP, "--body-timeout", "0"], "--body-timeout must be above 0"),
+    ([*UP, "--upstream-idle-timeout", "nan"], "--upstream-idle-timeout must be above 0"),
+    ([*UP, "--min-shed-share", "2"], "--min-shed-share must be at most 1"),
+    ([*UP, "--load-factor", "0.5"], "--load-factor must be at least 1"),
+    ([], "give either --upstream"),
+])
+def test_a_bad_flag_is_one_line_and_exit_2(capsys, argv, says):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.run(parser.parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_defaults_and_the_operators_flags_pass():
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.problem(parser.parse_args(UP)) is None
+    assert cli.problem(parser.parse_args(["--k8s-llmservice", "ns/chat", "--hold-timeout-seconds", "0", "--rpm", "0",
+                                          "--upstream", "http://10.0.0.7:8000/"])) is None
