@@ -97,3 +97,27 @@ def test_bench_against_a_real_engine(tmp_path):
     assert "sent" in run.stderr  # progress
     png = (tmp_path / "b.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--url", "foo"], "--url must be http(s)://HOST[:PORT]"),
+    (["--rate", "-1"], "--request-rate must be above 0"),
+    (["--rate", "1", "--duration", "inf"], "--duration must be finite"),
+    (["--rate", "1", "--num-prompts", "0"], "--num-prompts must be at least 1"),
+    (["--rate", "1", "--metric-percentiles", "50,abc"], "--metric-percentiles must be comma-separated numbers"),
+    (["--rate", "1", "--buckets", "{missing}"], "--buckets: [Errno 2]"),
+    (["--rate", "1", "--buckets", "{readme}"], "not YAML or JSON"),
+    (["--rate", "1", "--buckets", "{bad}"], "invalid buckets: slo: slo.percentile must be > 0 and < 100"),
+])
+def test_a_bad_flag_or_buckets_file_is_one_line_and_exit_2(tmp_path, capsys, argv, says):
+    import argparse
+
+    from slofleet.bench import cli
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump([{"name": "chat", "slo": {"percentile": 150, "ttftMs": 100}}]))
+    files = {"missing": tmp_path / "missing.yaml", "readme": ROOT / "README.md", "bad": bad}
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.run(parser.parse_args(["--url", "http://127.0.0.1:9", *[a.format(**files) for a in argv]])) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from slofleet.router import cli
+from tests.support import ROOT
 
 UP = ["--upstream", "http://127.0.0.1:1"]
 
@@ -25,6 +26,9 @@ UP = ["--upstream", "http://127.0.0.1:1"]
     ([*UP, "--min-shed-share", "2"], "--min-shed-share must be at most 1"),
     ([*UP, "--load-factor", "0.5"], "--load-factor must be at least 1"),
     ([], "give either --upstream"),
+    ([*UP, "--buckets", str(ROOT / "README.md")], "README.md: not YAML or JSON"),
+    ([*UP, "--buckets", str(ROOT / "manifests" / "examples" / "llmservice-unified.yaml"), "--port", "0"],
+     "--port must be at least 1"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2(capsys, argv, says):
     parser = argparse.ArgumentParser()

@@ -15,7 +15,8 @@ def error_text(e: ValidationError, most: int = 5) -> str:
     parts = []
     for err in e.errors()[:most]:
         loc = ".".join(str(x) for x in err["loc"]) or "body"
-        msg = "unknown field: remove it or check its spelling" if err["type"] == "extra_forbidden" else err["msg"]
+        msg = ("unknown field: remove it or check its spelling" if err["type"] == "extra_forbidden"
+               else err["msg"].removeprefix("Value error, "))  # a model's own check says it all
         parts.append(f"{loc}: {msg}")
     return "; ".join(parts)
 

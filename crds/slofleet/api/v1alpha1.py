@@ -179,6 +179,10 @@ class Match(_Model):
     ))
 
 
+PERCENTILE, A_TARGET = ("slo.percentile must be > 0 and < 100, e.g. 99 for p99",
+                        "slo needs at least one target: ttftMs, tpotMs or e2eMs")
+
+
 class SLO(_Model):
     """Latency targets of a bucket, met when the given percentile of requests is under each target."""
     percentile: float = Field(99.0, description="e.g. 99 for p99")
@@ -186,10 +190,18 @@ class SLO(_Model):
     tpot_ms: int | None = Field(None, gt=0, description="time per output token")
     e2e_ms: int | None = Field(None, gt=0, description="whole request")
     model_config = ConfigDict(json_schema_extra=_rules(
-        ("self.percentile > 0.0 && self.percentile < 100.0", "slo.percentile must be > 0 and < 100, e.g. 99 for p99"),
-        ("has(self.ttftMs) || has(self.tpotMs) || has(self.e2eMs)",
-         "slo needs at least one target: ttftMs, tpotMs or e2eMs"),
+        ("self.percentile > 0.0 && self.percentile < 100.0", PERCENTILE),
+        ("has(self.ttftMs) || has(self.tpotMs) || has(self.e2eMs)", A_TARGET),
     ))
+
+    @model_validator(mode="after")
+    def _targets(self) -> SLO:
+        # the CEL rules above, for buckets the API server never sees (a router's, a benchmark's or a preview's file)
+        if not 0 < self.percentile < 100:
+            raise ValueError(PERCENTILE)
+        if self.ttft_ms is None and self.tpot_ms is None and self.e2e_ms is None:
+            raise ValueError(A_TARGET)
+        return self
 
 
 class Admission(_Model):

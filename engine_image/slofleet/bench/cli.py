@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import time
+import urllib.parse
 
 from . import workload
 
@@ -106,15 +107,45 @@ def first_model(url: str, headers: dict[str, str]) -> str:
         raise SystemExit(f"slofleet bench: no model listed at {url}/v1/models ({e!r}); pass --model") from None
 
 
+def problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags, in one line, or None."""
+    u = urllib.parse.urlsplit(args.url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return f"--url must be http(s)://HOST[:PORT], got {args.url!r}"
+    for flag, value, least in (("--request-rate", args.request_rate, 0), ("--duration", args.duration, 0),
+                               ("--timeout", args.timeout, 0), ("--progress-interval", args.progress_interval, 0)):
+        if value is not None and not value > least:  # NaN too
+            return f"{flag} must be above {least}, got {value:g}"
+    if args.duration is not None and math.isinf(args.duration):
+        return "--duration must be finite (or give --num-prompts)"
+    for flag, value in (("--num-prompts", args.num_prompts), ("--max-prompt-tokens", args.max_prompt_tokens),
+                        ("--max-output-tokens", args.max_output_tokens)):
+        if value is not None and value < 1:
+            return f"{flag} must be at least 1, got {value}"
+    try:
+        if not all(0 < float(p) < 100 for p in args.metric_percentiles.split(",") if p.strip()):
+            raise ValueError
+    except ValueError:
+        return f"--metric-percentiles must be comma-separated numbers in (0, 100), got {args.metric_percentiles!r}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from . import report
 
+    if wrong := problem(args):
+        print(f"slofleet bench: {wrong}", file=sys.stderr)
+        return 2
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     targets: dict[str, workload.Target] = {}
     items = items_of(args)
     if args.buckets:
-        classifier, targets = workload.targets_of(args.buckets)
+        try:
+            classifier, targets = workload.targets_of(args.buckets)
+        except (OSError, ValueError) as e:
+            print(f"slofleet bench: --buckets: {e}", file=sys.stderr)
+            return 2
         workload.classify(items, classifier, args.endpoint)
     if not items:
         raise SystemExit("slofleet bench: no requests to send (see --num-prompts, --duration)")

@@ -9,13 +9,16 @@ Loaded from a file (the operator's ConfigMap, mounted), the rules are re-read wh
 without a restart. A file that does not parse then is logged and the rules loaded before stay."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+from pydantic import ValidationError
+
+from slofleet.api.base import error_text
 from slofleet.api.v1alpha1 import SLO, Bucket, Match
 
 log = logging.getLogger("slofleet.router.buckets")
@@ -57,16 +60,20 @@ def parse_buckets(items: list[dict]) -> list[Bucket]:
 
 
 def load_buckets(path: str | Path) -> list[Bucket]:
-    """A YAML/JSON file holding a list of buckets, `{buckets: [...]}`, or a whole LLMService/SLOPolicy."""
-    text = Path(path).read_text()
+    """A YAML/JSON file holding a list of buckets, `{buckets: [...]}`, or a whole LLMService/SLOPolicy. What it
+    cannot use is an OSError (unreadable) or a ValueError saying in one line what is wrong."""
     try:
-        import yaml
-        data = yaml.safe_load(text)
-    except ImportError:
-        data = json.loads(text)
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not YAML or JSON: {' '.join(str(e).split())}") from None
     if isinstance(data, dict):
         data = (data.get("spec") or data).get("buckets", [])
-    return parse_buckets(data)
+    if not isinstance(data, list) or not all(isinstance(b, dict) for b in data):
+        raise ValueError(f"{path}: expected a list of buckets, {{buckets: [...]}} or an LLMService/SLOPolicy")
+    try:
+        return parse_buckets(data)
+    except ValidationError as e:
+        raise ValueError(f"{path}: invalid buckets: {error_text(e)}") from None
 
 
 @dataclass

@@ -159,13 +159,18 @@ def run(args: argparse.Namespace) -> int:
         print("slofleet router: give either --upstream/--prefill-upstream/--decode-upstream (repeatable), "
               "--k8s-service or --k8s-llmservice", file=sys.stderr)
         return 2
+    try:
+        buckets = load_buckets(args.buckets) if args.buckets else DEFAULT_BUCKETS
+        keys = KeyStore(args.api_keys_file, args.api_keys_env, args.rpm, args.tpm)
+    except (OSError, ValueError) as e:
+        print(f"slofleet router: {e}", file=sys.stderr)
+        return 2
     lister = None
     if args.k8s_service or args.k8s_llmservice:
         namespace, _, name = (args.k8s_service or args.k8s_llmservice).rpartition("/")
         selector = service_selector(name) if args.k8s_service else llmservice_selector(name)
         lister = kubernetes_lister(namespace, selector, args.k8s_port_name)
     replicas = ReplicaSet(static=static, lister=lister, interval=args.health_interval)
-    buckets = load_buckets(args.buckets) if args.buckets else DEFAULT_BUCKETS
     cfg = RouterConfig(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                        capacity_per_replica=args.capacity_per_replica, max_attempts=args.max_attempts,
                        affinity_chars=args.affinity_chars, replica_header=args.replica_header,
@@ -173,11 +178,6 @@ def run(args: argparse.Namespace) -> int:
                        ttfb_timeout=args.upstream_ttfb_timeout, idle_timeout=args.upstream_idle_timeout,
                        body_timeout=args.body_timeout, max_model_len=args.max_model_len,
                        otlp_traces_endpoint=args.otlp_traces_endpoint)
-    try:
-        keys = KeyStore(args.api_keys_file, args.api_keys_env, args.rpm, args.tpm)
-    except (OSError, ValueError) as e:
-        print(f"slofleet router: {e}", file=sys.stderr)
-        return 2
     precise = None
     if args.policy == "precise":
         if not args.model:
