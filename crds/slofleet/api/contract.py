@@ -58,6 +58,21 @@ KV_EVENTS_TOPIC = "kv"  # the topic is f"{KV_EVENTS_TOPIC}@{epoch}@{model}", the
 # subscribes at these ports on each replica's address (its --kv-events-endpoint templates).
 KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5558
 KV_EVENTS_PORT_NAME, KV_REPLAY_PORT_NAME = "kv-events", "kv-replay"
+
+
+def zmq_problem(flag: str, address: str) -> str | None:
+    """What is wrong with a ZMQ address (tcp://HOST:PORT, tcp://*:PORT to bind, ipc://PATH), or None."""
+    if not address:
+        return None
+    scheme, sep, rest = address.partition("://")
+    if sep and rest and scheme == "ipc":
+        return None
+    host, _, port = rest.rpartition(":")
+    if sep and scheme == "tcp" and host and (port == "*" or port.isdigit() and 0 < int(port) < 65536):
+        return None
+    return f"{flag} must be a ZMQ address such as tcp://0.0.0.0:5557 or ipc:///tmp/kv-events, got {address!r}"
+
+
 # Seeds the published hash chain (as vLLM's): the router must see the engines' value to compute the same hashes.
 KV_HASH_SEED_ENV = "PYTHONHASHSEED"
 

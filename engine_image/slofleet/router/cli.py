@@ -17,6 +17,7 @@ from slofleet.api.contract import (
     ROLE_LABEL,
     SERVICE_LABEL,
     UNIFIED,
+    zmq_problem,
 )
 
 
@@ -128,6 +129,11 @@ def problem(args: argparse.Namespace) -> str | None:
             return f"{flag} must be {'above' if above else 'at least'} {least}, got {value:g}"
         if most is not None and value > most:
             return f"{flag} must be at most {most}, got {value:g}"
+    for flag, template in (("--kv-events-endpoint", args.kv_events_endpoint),
+                           ("--kv-events-replay-endpoint", args.kv_events_replay_endpoint)):
+        if args.policy == "precise" and template and ("{host}" not in template or zmq_problem(
+                flag, template.replace("{host}", "engine"))):
+            return f"{flag} must be a ZMQ address template with {{host}}, e.g. tcp://{{host}}:5557, got {template!r}"
     for url in args.upstream + args.prefill_upstream + args.decode_upstream:
         try:
             u = urllib.parse.urlsplit(url)
@@ -184,7 +190,12 @@ def run(args: argparse.Namespace) -> int:
             print("slofleet router: --policy precise needs --model (the engines' own)", file=sys.stderr)
             return 2
         from .kv_index import Precise
-        precise = Precise(args.model, args.kv_events_endpoint, args.kv_events_replay_endpoint, args.prefix_index_blocks)
+        try:
+            precise = Precise(args.model, args.kv_events_endpoint, args.kv_events_replay_endpoint,
+                              args.prefix_index_blocks)
+        except (OSError, ValueError) as e:
+            print(f"slofleet router: --policy precise: {e}", file=sys.stderr)
+            return 2
     app = Router(cfg, replicas, Classifier(buckets, args.chars_per_token, args.min_shed_share, args.buckets), keys,
                  Quotas(), Balancer(args.policy, args.load_factor, precise=precise))
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from slofleet.api.contract import DEFAULT_ENGINE_PORT, DEFAULT_GRACE_SECONDS, INTERNAL_TOKEN_ENV
+from slofleet.api.contract import DEFAULT_ENGINE_PORT, DEFAULT_GRACE_SECONDS, INTERNAL_TOKEN_ENV, zmq_problem
 
 
 @dataclass(slots=True, kw_only=True)
@@ -55,17 +55,4 @@ class ServerSettings:
         problems = [p for p in problems if p]
         if problems:
             raise ValueError("; ".join(problems))
-
-
-def zmq_problem(flag: str, address: str) -> str | None:
-    """What is wrong with a ZMQ bind address (tcp://HOST:PORT, tcp://*:PORT, ipc://PATH), or None."""
-    if not address:
-        return None
-    scheme, sep, rest = address.partition("://")
-    if sep and rest and scheme == "ipc":
-        return None
-    host, _, port = rest.rpartition(":")
-    if sep and scheme == "tcp" and host and (port == "*" or port.isdigit() and 0 < int(port) < 65536):
-        return None
-    return f"{flag} must be a ZMQ address such as tcp://0.0.0.0:5557 or ipc:///tmp/kv-events, got {address!r}"
 
