@@ -6,6 +6,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import numpy as np
+import pytest
 
 from slofleet.autoscaler import cli, simulate_cli, traces
 
@@ -100,3 +101,21 @@ def test_sweep_tries_each_baselines_main_parameter_and_marks_the_best(capsys):
         [f"target={v:g}" for v in simulate_cli.SWEEP["hpa"]]
     best = [r for r in rows if r[-1] == "best"]
     assert len(best) == 1  # the cheapest reaching the target, else the most goodput per replica-hour
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--target", "unified=foo"], "--target wants ROLE=URL"),
+    (["--target", "gpu=http://engine:8000"], "ROLE one of unified, prefill, decode"),
+    (["--target", "unified=http://engine:8000", "--interval", "-5"], "--interval must be above 0"),
+    (["--target", "unified=http://engine:8000", "--ttft", "nan"], "--ttft must be above 0"),
+    (["--target", "unified=http://engine:8000", "--min-replicas", "5", "--max-replicas", "2"],
+     "--min-replicas (5) must not be above --max-replicas (2)"),
+    (["--prometheus", "http://prometheus:9090"], "--prometheus needs --kubernetes"),
+    ([], "give --kubernetes or at least one --target"),
+])
+def test_a_bad_flag_is_one_line_and_exit_2(capsys, argv, says):
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    assert cli.run(p.parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err

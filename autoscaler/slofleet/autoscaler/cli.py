@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+import urllib.parse
 
 from slofleet.api.contract import ROLES
 from slofleet.api.v1alpha1 import Autoscaling
@@ -57,7 +59,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=0, help="stop after this many rounds (0: run forever)")
 
 
+# flag -> whether 0 itself is allowed: every other number below 0 (or NaN, or infinite) is refused
+NON_NEGATIVE = {"resync": False, "status_window": False, "ttft": False, "tpot": False, "prefill_tps": False,
+                "decode_tps": False, "interval": False, "window": False, "cold_start": True, "min_replicas": True,
+                "max_replicas": True, "iterations": True}
+
+
+def problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags, in one line, or None."""
+    for name, zero in NON_NEGATIVE.items():
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            return f"--{name.replace('_', '-')} must be {'0 or more' if zero else 'above 0'}, got {value:g}"
+    if args.min_replicas > args.max_replicas:
+        return f"--min-replicas ({args.min_replicas}) must not be above --max-replicas ({args.max_replicas})"
+    for item in args.target:
+        role, _, url = item.partition("=")
+        u = urllib.parse.urlsplit(url)
+        if role not in ROLES or u.scheme not in ("http", "https") or not u.hostname:
+            return f"--target wants ROLE=URL with ROLE one of {', '.join(ROLES)} and an http(s) URL, got {item!r}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    if wrong := problem(args):
+        print(f"slofleet autoscaler: {wrong}", file=sys.stderr)
+        return 2
     base = PolicyConfig(prefill_tps=args.prefill_tps, decode_tps=args.decode_tps, cold_start_s=args.cold_start)
     if args.kubernetes:
         from . import kubemode
@@ -65,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
         return kubemode.run(Kube(connect()), base, args.namespace, args.prometheus, args.resync, args.iterations,
                             args.status_window)
     if args.prometheus:
-        print("--prometheus needs --kubernetes (the series are found by the resource's namespace and Service)",
-              file=sys.stderr)
+        print("slofleet autoscaler: --prometheus needs --kubernetes (the series are found by the resource's "
+              "namespace and Service)", file=sys.stderr)
         return 2
     return run_targets(args, base)
 
@@ -75,12 +102,9 @@ def run_targets(args: argparse.Namespace, base: PolicyConfig) -> int:
     targets: dict[str, list[str]] = {}
     for item in args.target:
         role, _, url = item.partition("=")
-        if not url:
-            print(f"--target wants ROLE=URL, got {item!r}", file=sys.stderr)
-            return 2
         targets.setdefault(role, []).append(url)
     if not targets:
-        print("give --kubernetes or at least one --target ROLE=URL", file=sys.stderr)
+        print("slofleet autoscaler: give --kubernetes or at least one --target ROLE=URL", file=sys.stderr)
         return 2
     slo = SLO(args.ttft, args.tpot)
     policies = {role: Policy(PolicyConfig(role=role, slo=slo, min_replicas=args.min_replicas,
