@@ -14,7 +14,9 @@ import urllib.parse
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
+from slofleet.api.base import error_text
 from slofleet.api.contract import DECODE, ROUTER, UNIFIED, Sample, parse_samples
 from slofleet.api.v1alpha1 import Bucket, LLMService, SLOPolicy
 
@@ -44,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_buckets(path: str) -> list[Bucket]:
     data = yaml.safe_load(Path(path).read_text()) or {}
+    if isinstance(data, list):  # a bare list of buckets, as the router's --buckets takes
+        data = {"buckets": data}
     kind = data.get("kind")
     if kind == "LLMService":
         svc = LLMService.model_validate(data)
@@ -138,8 +142,10 @@ def run(args: argparse.Namespace) -> int:
         return fail("give --url URL (repeatable), or --prometheus URL with --llmservice NAMESPACE/NAME")
     try:
         buckets = load_buckets(args.buckets)
+    except ValidationError as e:
+        return fail(f"{args.buckets}: invalid buckets: {error_text(e)}")
     except (OSError, ValueError, AttributeError, yaml.YAMLError) as e:
-        return fail(f"cannot read buckets from {args.buckets}: {e}")
+        return fail(f"cannot read buckets from {args.buckets}: {' '.join(str(e).split())}")
     if not buckets:
         return fail(f"{args.buckets} holds no buckets")
     if args.prometheus:
