@@ -184,8 +184,7 @@ def problem(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    wrong = problem(args)
-    if wrong:
+    if wrong := problem(args):
         print(f"slofleet simulate: {wrong}", file=sys.stderr)
         return 2
     if args.llmservice:
