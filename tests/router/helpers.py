@@ -19,6 +19,7 @@ class StandIn:
         self.probe_delay = 0.0  # seconds /ready takes to answer: a busy engine
         self.received: list[dict] = []
         self.aborted = 0
+        self.port = port  # set before it serves: a router already waiting for this port reaches it at once
         self.server, self.thread, self.url = serve_in_thread(self.app, port)
         self.port = int(self.url.rsplit(":", 1)[1])
 
