@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from slofleet.autoscaler import cli, simulate_cli, traces
+from tests.support import refused
 
 
 def test_the_autoscaler_never_imports_torch_nor_the_operator():
@@ -114,8 +115,4 @@ def test_sweep_tries_each_baselines_main_parameter_and_marks_the_best(capsys):
     ([], "give --kubernetes or at least one --target"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2(capsys, argv, says):
-    p = argparse.ArgumentParser()
-    cli.add_arguments(p)
-    assert cli.run(p.parse_args(argv)) == 2
-    err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1, err
+    refused(cli, argv, says, capsys)

@@ -12,7 +12,7 @@ import yaml
 
 from slofleet.bench import report, workload
 from slofleet.bench.loadgen import Result
-from tests.support import ROOT
+from tests.support import ROOT, refused
 from tests.support.server import Server
 
 SERVICE = {"apiVersion": "slofleet.dev/v1alpha1", "kind": "LLMService", "metadata": {"name": "s"}, "spec": {
@@ -110,14 +110,8 @@ def test_bench_against_a_real_engine(tmp_path):
     (["--rate", "1", "--buckets", "{bad}"], "invalid buckets: slo: slo.percentile must be > 0 and < 100"),
 ])
 def test_a_bad_flag_or_buckets_file_is_one_line_and_exit_2(tmp_path, capsys, argv, says):
-    import argparse
-
     from slofleet.bench import cli
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump([{"name": "chat", "slo": {"percentile": 150, "ttftMs": 100}}]))
     files = {"missing": tmp_path / "missing.yaml", "readme": ROOT / "README.md", "bad": bad}
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    assert cli.run(parser.parse_args(["--url", "http://127.0.0.1:9", *[a.format(**files) for a in argv]])) == 2
-    err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1, err
+    refused(cli, ["--url", "http://127.0.0.1:9", *[a.format(**files) for a in argv]], says, capsys)

@@ -14,6 +14,7 @@ from slofleet.api.contract import E2E, KV_USAGE, NUM_WAITING, TTFT, Sample
 from slofleet.api.v1alpha1 import Bucket
 from slofleet.autoscaler.diagnose import PHASE_SERIES, ROUTER_PHASE, ROUTER_TTFB, flatten, judge, since, value
 from slofleet.cli import main
+from tests.support import refused
 
 BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, math.inf)
 
@@ -134,13 +135,7 @@ def test_prometheus_two_instant_queries(tmp_path, capsys):
     ("- name: chat\n  slo: {percentile: 150, ttftMs: 100}\n", "invalid buckets: slo: slo.percentile must be > 0"),
 ])
 def test_a_buckets_file_it_cannot_use_is_one_line_and_exit_2(tmp_path, capsys, text, says):
-    import argparse
-
     from slofleet.autoscaler import diagnose_cli
     path = tmp_path / "buckets.yaml"
     path.write_text(text)
-    p = argparse.ArgumentParser()
-    diagnose_cli.add_arguments(p)
-    assert diagnose_cli.run(p.parse_args(["--buckets", str(path), "--url", "http://127.0.0.1:9"])) == 2
-    err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1, err
+    refused(diagnose_cli, ["--buckets", str(path), "--url", "http://127.0.0.1:9"], says, capsys)

@@ -3,14 +3,13 @@ and one line when the engine cannot start (a model that is not there, an address
 up unable to serve."""
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 
 import pytest
 
 from slofleet.engine.server import cli
-from tests.support import ROOT
+from tests.support import ROOT, refused
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -25,11 +24,7 @@ from tests.support import ROOT
     (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2(capsys, argv, says):
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    assert cli.run(parser.parse_args(argv)) == 2
-    err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1, err
+    refused(cli, argv, says, capsys)
 
 
 def test_an_engine_that_cannot_start_exits_1_with_the_reason():

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from slofleet.router import cli
-from tests.support import ROOT
+from tests.support import ROOT, refused
 
 UP = ["--upstream", "http://127.0.0.1:1"]
 
@@ -34,11 +34,7 @@ UP = ["--upstream", "http://127.0.0.1:1"]
      "--port must be at least 1"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2(capsys, argv, says):
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    assert cli.run(parser.parse_args(argv)) == 2
-    err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1, err
+    refused(cli, argv, says, capsys)
 
 
 def test_the_defaults_and_the_operators_flags_pass():
