@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from slofleet.engine import cpu_kernels
+from slofleet.engine import cpu_kernels, dtype_probe
 from slofleet.engine.attention import TorchAttention
 from slofleet.engine.model import RMSNorm, Rotary, rotate, silu_mul
 from tests.kernels.test_attention import make_batch
@@ -35,13 +35,34 @@ def attend(spans, block_size, heads, kv_heads, dim, dtype, kernel: bool, monkeyp
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (12, 1, 64), (6, 2, 80)])
 def test_kernel_matches_the_gather_path(dtype, block_size, heads, kv_heads, dim, monkeypatch):
-    """Decodes, drafts (a few queries over a cache), prompts and prefill chunks in one batch; AVX-512 templates
-    (head dims 64 and 128, groups up to 8) and the plain loops (a group of 12, head dim 80) alike."""
+    """Decodes, drafts (a few queries over a cache), prompts and prefill chunks in one batch; the vector templates
+    (AVX-512 or AVX2, whichever this CPU has: head dims 64 and 128, groups up to 8) and the plain loops (a group of
+    12, head dim 80) alike."""
     assert cpu_kernels.attention_usable(torch.zeros(1, heads, dim, dtype=dtype),
                                torch.zeros(1, block_size, kv_heads, dim, dtype=dtype))
     got = attend(SPANS, block_size, heads, kv_heads, dim, dtype, True, monkeypatch, seed=block_size + heads)
     want = attend(SPANS, block_size, heads, kv_heads, dim, dtype, False, monkeypatch, seed=block_size + heads)
     # bf16: both round the same fp32-accumulated result once; an ulp apart at most
+    atol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):
+    """On an AVX-512 CPU, the kernels also built as for an AVX2 one, so one machine checks both vector widths."""
+    if "avx512f" not in dtype_probe.cpu_model().split():
+        pytest.skip("no AVX-512 here: the native build is the AVX2 one (or plain loops), checked above")
+    path = tmp_path_factory.mktemp("kernels") / "avx2.so"
+    cpu_kernels.build(path, [*cpu_kernels.FLAGS, "-mno-avx512f"])
+    return cpu_kernels.open_library(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128)])
+def test_the_avx2_template_matches_the_gather_path_too(dtype, heads, kv_heads, dim, avx2_build, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load", lambda: avx2_build)
+    got = attend(SPANS, 16, heads, kv_heads, dim, dtype, True, monkeypatch, seed=heads)
+    want = attend(SPANS, 16, heads, kv_heads, dim, dtype, False, monkeypatch, seed=heads)
     atol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
 

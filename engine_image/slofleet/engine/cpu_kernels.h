@@ -1,7 +1,8 @@
-// Helpers the CPU kernels share: bf16 <-> fp32 as torch rounds, and AVX-512 loads and exp where the CPU has it.
+// Helpers the CPU kernels share: bf16 <-> fp32 as torch rounds, and the vector type of the CPU in hand (AVX-512, else
+// AVX2 with FMA) with the few operations the attention kernel needs, so that kernel is written once for both widths.
 #pragma once
 #include <cstdint>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 #include <initializer_list>
@@ -50,6 +51,70 @@ inline __m512 keep_bf16(__m512 f) {
     u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
     return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xffff0000u))));
 }
+
+struct V512 {
+    using T = __m512;
+    static constexpr int N = 16;
+    template <bool BF16>
+    static T load(const void *base, int64_t idx) { return load16<BF16>(base, idx); }
+    static T loadu(const float *p) { return _mm512_loadu_ps(p); }
+    static void storeu(float *p, T v) { _mm512_storeu_ps(p, v); }
+    static T zero() { return _mm512_setzero_ps(); }
+    static T set1(float f) { return _mm512_set1_ps(f); }
+    static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+    static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+    static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+    static float sum(T v) { return _mm512_reduce_add_ps(v); }
+    static float max(T v) { return _mm512_reduce_max_ps(v); }
+    static T exp(T x) { return exp16(x); }
+};
+using Vec = V512;
+#define SLOFLEET_VEC 1
+#elif defined(__AVX2__) && defined(__FMA__)
+struct V256 {
+    using T = __m256;
+    static constexpr int N = 8;
+    template <bool BF16>
+    static T load(const void *base, int64_t idx) {
+        if constexpr (BF16) {
+            __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(base) + idx));
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        } else {
+            return _mm256_loadu_ps(static_cast<const float *>(base) + idx);
+        }
+    }
+    static T loadu(const float *p) { return _mm256_loadu_ps(p); }
+    static void storeu(float *p, T v) { _mm256_storeu_ps(p, v); }
+    static T zero() { return _mm256_setzero_ps(); }
+    static T set1(float f) { return _mm256_set1_ps(f); }
+    static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+    static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+    static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+    static __m128 halves(T v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
+    static float sum(T v) {
+        __m128 x = halves(v);
+        x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+        return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+    }
+    static float max(T v) {
+        __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+        return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
+    }
+    // The same e^x as exp16; 2^k is built in the exponent bits, as AVX2 has no scalef (k stays within [-126, 127]).
+    static T exp(T x) {
+        T v = _mm256_min_ps(_mm256_max_ps(x, set1(-87.0f)), set1(88.0f));
+        T k = _mm256_round_ps(_mm256_mul_ps(v, set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        T r = _mm256_fnmadd_ps(k, set1(0.693359375f), v);
+        r = _mm256_fmadd_ps(k, set1(2.12194440e-4f), r);
+        T p = set1(1.38873944e-3f);
+        for (float c : {8.33338592e-3f, 4.16666418e-2f, 0.166666672f, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, set1(c));
+        __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+        return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_cmp_ps(x, set1(-87.0f), _CMP_GE_OQ));
+    }
+};
+using Vec = V256;
+#define SLOFLEET_VEC 1
 #endif
 
 }  // namespace slofleet

@@ -44,14 +44,14 @@ SIGNATURES = {
 }
 
 
-def build(out: Path) -> None:
+def build(out: Path, flags: list[str] = FLAGS) -> None:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise FileNotFoundError("no C++ compiler (c++ or g++) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # a whole file or none: builds may race
         part = Path(tmp) / out.name
-        subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(part)], check=True, capture_output=True,
+        subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", str(part)], check=True, capture_output=True,
                        text=True, timeout=180)
         os.replace(part, out)
 
@@ -66,14 +66,19 @@ def load() -> ctypes.CDLL | None:
     try:
         if not path.exists():
             build(path)
-        lib = ctypes.CDLL(str(path))
+        lib = open_library(path)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("CPU kernels unavailable, using torch ops: %s", str(detail).strip()[:300])
         return None
+    log.info("CPU kernels: %s", path)
+    return lib
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
-    log.info("CPU kernels: %s", path)
     return lib
 
 

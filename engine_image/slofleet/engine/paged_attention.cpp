@@ -7,8 +7,9 @@
 // Layouts: q [T, H, D] with strides (q_tok, q_head) in elements; caches [blocks, block_size, KVH, D] contiguous;
 // out [T, H, D] contiguous; block_tables [B, bt_stride] int32. Query head h reads KV head h / (H / KVH), as the
 // checkpoints' repeat_kv does. dtype 0 = fp32, 1 = bf16 (widened to fp32 on load, rounded to nearest even on store).
-// With AVX-512 and the common head sizes, a template keeps a KV head's queries and accumulators in registers; other
-// shapes and CPUs take the plain loops, which the compiler vectorises as it can.
+// With AVX-512 or AVX2 and the common head sizes, a template keeps a KV head's queries and accumulators in vector
+// registers (AVX2's sixteen spill some to L1); other shapes and CPUs take the plain loops, whose dot products stay
+// scalar (no FMA contraction or reordering is allowed).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -81,16 +82,18 @@ void attend_plain(const float *qv, int g, int d, const Row &r, float scale, int 
         for (int i = 0; i < d; i++) acc[h * d + i] *= l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
 }
 
-#if defined(__AVX512F__)
+#if defined(SLOFLEET_VEC)
 template <int D, int G, bool BF16>
-void attend_avx512(const float *qv, const Row &r, float scale, float *out) {
-    constexpr int C = D / 16;
-    __m512 q[G][C], acc[G][C];
+void attend_vec(const float *qv, const Row &r, float scale, float *out) {
+    using V = Vec;
+    using T = typename V::T;
+    constexpr int C = D / V::N, S = SLICE / V::N;
+    T q[G][C], acc[G][C];
     float m[G], l[G];
     alignas(64) float s[G][SLICE];
     for (int h = 0; h < G; h++) {
         m[h] = -INFINITY, l[h] = 0.0f;
-        for (int c = 0; c < C; c++) q[h][c] = _mm512_loadu_ps(qv + h * D + c * 16), acc[h][c] = _mm512_setzero_ps();
+        for (int c = 0; c < C; c++) q[h][c] = V::loadu(qv + h * D + c * V::N), acc[h][c] = V::zero();
     }
     constexpr int BYTES = D * (BF16 ? 2 : 4);
     for (int start = 0; start < r.visible;) {
@@ -109,37 +112,40 @@ void attend_avx512(const float *qv, const Row &r, float scale, float *out) {
                 for (int h = 0; h < G; h++) s[h][t] = -INFINITY;
                 continue;
             }
-            __m512 kv[C];
-            for (int c = 0; c < C; c++) kv[c] = load16<BF16>(r.k, first + t * r.stride + c * 16);
+            T kv[C];
+            for (int c = 0; c < C; c++) kv[c] = V::template load<BF16>(r.k, first + t * r.stride + c * V::N);
             for (int h = 0; h < G; h++) {
-                __m512 dot = _mm512_mul_ps(q[h][0], kv[0]);
-                for (int c = 1; c < C; c++) dot = _mm512_fmadd_ps(q[h][c], kv[c], dot);
-                s[h][t] = _mm512_reduce_add_ps(dot) * scale;
+                T dot = V::mul(q[h][0], kv[0]);
+                for (int c = 1; c < C; c++) dot = V::fmadd(q[h][c], kv[c], dot);
+                s[h][t] = V::sum(dot) * scale;
             }
         }
         for (int h = 0; h < G; h++) {
-            __m512 sv = _mm512_load_ps(s[h]);
-            float mx = std::max(m[h], _mm512_reduce_max_ps(sv));
+            float mx = m[h], sum = 0.0f;
+            for (int j = 0; j < S; j++) mx = std::max(mx, V::max(V::loadu(s[h] + j * V::N)));
             float corr = m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mx);
-            __m512 e = exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mx)));
-            l[h] = l[h] * corr + _mm512_reduce_add_ps(e);
+            for (int j = 0; j < S; j++) {
+                T e = V::exp(V::sub(V::loadu(s[h] + j * V::N), V::set1(mx)));
+                sum += V::sum(e);
+                V::storeu(s[h] + j * V::N, e);
+            }
+            l[h] = l[h] * corr + sum;
             m[h] = mx;
-            _mm512_store_ps(s[h], e);
-            for (int c = 0; c < C; c++) acc[h][c] = _mm512_mul_ps(acc[h][c], _mm512_set1_ps(corr));
+            for (int c = 0; c < C; c++) acc[h][c] = V::mul(acc[h][c], V::set1(corr));
         }
         for (int t = 0; t < n; t++) {
-            __m512 vv[C];
-            for (int c = 0; c < C; c++) vv[c] = load16<BF16>(r.v, first + t * r.stride + c * 16);
+            T vv[C];
+            for (int c = 0; c < C; c++) vv[c] = V::template load<BF16>(r.v, first + t * r.stride + c * V::N);
             for (int h = 0; h < G; h++) {
-                __m512 p = _mm512_set1_ps(s[h][t]);
-                for (int c = 0; c < C; c++) acc[h][c] = _mm512_fmadd_ps(p, vv[c], acc[h][c]);
+                T p = V::set1(s[h][t]);
+                for (int c = 0; c < C; c++) acc[h][c] = V::fmadd(p, vv[c], acc[h][c]);
             }
         }
         start += n;
     }
     for (int h = 0; h < G; h++) {
-        __m512 inv = _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
-        for (int c = 0; c < C; c++) _mm512_storeu_ps(out + h * D + c * 16, _mm512_mul_ps(acc[h][c], inv));
+        T inv = V::set1(l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
+        for (int c = 0; c < C; c++) V::storeu(out + h * D + c * V::N, V::mul(acc[h][c], inv));
     }
 }
 
@@ -149,14 +155,14 @@ bool dispatch_g(const float *qv, int g, const Row &r, float scale, int bf16, flo
         return false;
     } else {
         if (g != G) return dispatch_g<D, G + 1>(qv, g, r, scale, bf16, out);
-        bf16 ? attend_avx512<D, G, true>(qv, r, scale, out) : attend_avx512<D, G, false>(qv, r, scale, out);
+        bf16 ? attend_vec<D, G, true>(qv, r, scale, out) : attend_vec<D, G, false>(qv, r, scale, out);
         return true;
     }
 }
 #endif
 
 void attend(const float *qv, int g, int d, const Row &r, float scale, int bf16, float *out) {
-#if defined(__AVX512F__)
+#if defined(SLOFLEET_VEC)
     if (d == 64 && dispatch_g<64, 1>(qv, g, r, scale, bf16, out)) return;
     if (d == 128 && dispatch_g<128, 1>(qv, g, r, scale, bf16, out)) return;
 #endif
