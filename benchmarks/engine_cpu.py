@@ -3,11 +3,12 @@
 Workload: 16 chat prompts of 20-300 words through the chat template, 32 output tokens each, greedy, fixed length
 (EOS ignored). Every run, warm-up included, gets prompts of the same lengths that no earlier run has seen (only the
 chat template's system prompt repeats, which the prefix cache may keep). Each system runs it --runs times, in
-rounds of one run per system so the machine's drift moves every figure alike; each round also measures torch's
-GEMM rates at the workload's shapes, from which the limit follows:
+rounds of one run per system so the machine's drift moves every figure alike; each round also measures the GEMM
+rates at the workload's shapes (torch's in fp32 and bf16, and slofleet's own fp32 kernel where the CPU has it),
+from which the limit follows, at the fastest of them:
 
-    limit_s = prompt tokens x 2 x 106.2M FLOP / (faster of fp32/bf16 GEMM at 2048x576x1536 and 512x576x1536)
-            + 16 x 31 x 2 x 134.5M FLOP / (faster of fp32/bf16 GEMM at 16x576x1536)
+    limit_s = prompt tokens x 2 x 106.2M FLOP / (fastest GEMM at 2048x576x1536 and 512x576x1536)
+            + 16 x 31 x 2 x 134.5M FLOP / (fastest GEMM at 16x576x1536)
 
 (106.2M: the weights every prompt token multiplies; 134.5M: those plus the LM head, which only sampled positions
 reach). The table shows the median tokens/s, the ratio to transformers generate_batch() and the median fraction
@@ -63,10 +64,15 @@ def chat_ids(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def gemm_rates() -> dict[str, dict[str, float]]:
-    """GFLOP/s of torch's GEMM per shape and dtype, at the thread count every system runs with."""
+    """GFLOP/s per shape of torch's GEMM in each dtype and, where it is built, of slofleet's own fp32 GEMM kernel
+    (the limit takes the fastest of them), at the thread count every system runs with."""
+    from slofleet.engine import cpu_kernels
     from slofleet.engine.dtype_probe import gemm_gflops
-    return {shape: {name: gemm_gflops(rows, 576, 1536, dtype, seconds=0.2)
-                    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    kinds = [("fp32", torch.float32, False), ("bf16", torch.bfloat16, False)]
+    if cpu_kernels.panel_columns():
+        kinds.append(("fp32 kernel", torch.float32, True))
+    return {shape: {name: gemm_gflops(rows, 576, 1536, dtype, seconds=0.2, kernel=kernel)
+                    for name, dtype, kernel in kinds}
             for shape, rows in GEMM_SHAPES.items()}
 
 
@@ -93,7 +99,7 @@ def read_gbps() -> float:
 def floor_seconds(rates: dict[str, dict[str, float]], prompt_tokens: int, gbps: float) -> float:
     """Prefill at the GEMM rate, then each decode step at least one read of the weights (see the docstring)."""
     decode = max(rates["decode 16"], key=rates["decode 16"].get)
-    weights = DECODE_FLOP / 2 * (2 if decode == "bf16" else 4)
+    weights = DECODE_FLOP / 2 * (2 if decode == "bf16" else 4)  # fp32 for torch's and the kernel's
     step = max(N_PROMPTS * DECODE_FLOP / (rates["decode 16"][decode] * 1e9), weights / (gbps * 1e9))
     return prefill_seconds(rates, prompt_tokens) + (OUT_TOKENS - 1) * step
 
@@ -228,8 +234,8 @@ def main() -> int:
             log(f"{name}: run {i + 1}/{args.runs}: {rates[name][-1]:.1f} tok/s, {fractions[name][-1]:.0%} of limit")
     print(versions())
     print("GEMM GFLOP/s (median of rounds):", "; ".join(
-        f"{shape} fp32 {statistics.median(g[shape]['fp32'] for g in gemm):.0f}, "
-        f"bf16 {statistics.median(g[shape]['bf16'] for g in gemm):.0f}" for shape in GEMM_SHAPES))
+        f"{shape} " + ", ".join(f"{kind} {statistics.median(g[shape][kind] for g in gemm):.0f}"
+                                for kind in gemm[0][shape]) for shape in GEMM_SHAPES))
     limit = statistics.median(N_PROMPTS * OUT_TOKENS / limit_seconds(g, sum(map(len, ids))) for g in gemm)
     print(f"FLOP limit of the workload: {limit:.1f} tok/s (at the last prompts' {sum(map(len, ids))} prompt tokens)")
     gbps = read_gbps()

@@ -67,6 +67,14 @@ def test_the_avx2_template_matches_the_gather_path_too(dtype, heads, kv_heads, d
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("rows,n,k", [(1, 64, 576), (7, 64, 100), (16, 960, 576)])
+def test_the_avx2_gemm_matches_torch_too(rows, n, k, avx2_build, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load", lambda: avx2_build)
+    monkeypatch.setattr(cpu_kernels, "panel_columns", lambda: avx2_build.gemm_panel_columns())
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    torch.testing.assert_close(cpu_kernels.gemm(x, cpu_kernels.pack(w)), x @ w.T, atol=1e-4 * k ** 0.5, rtol=1e-5)
+
+
 def test_shapes_it_does_not_take_go_to_torch():
     q = torch.zeros(2, 8, 64)
     assert not cpu_kernels.attention_usable(q.half(), torch.zeros(1, 16, 2, 64).half())  # fp16: the torch path
@@ -148,3 +156,41 @@ def test_silu_mul_rounds_as_torch_in_bf16(rows, inter, monkeypatch):
         torch_path(m)
         want = silu_mul(gate_up)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def gemm_cases():
+    """(rows, N, K): a lone decode, rows around the 6-row tile, a prefill chunk; K off the vector width too."""
+    return [(1, 64, 576), (5, 96, 100), (6, 32, 7), (7, 64, 576), (16, 960, 576), (33, 128, 1536), (300, 64, 48)]
+
+
+@pytest.mark.parametrize("rows,n,k", gemm_cases())
+def test_the_fp32_gemm_kernel_matches_torch(rows, n, k):
+    if not cpu_kernels.panel_columns():
+        pytest.skip("no AVX2 or AVX-512 here: the GEMM kernel is not built and torch's runs")
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w, x = torch.randn((n, k), generator=gen), torch.randn((rows, 2 * k), generator=gen)[:, ::2]  # strided rows
+    got = cpu_kernels.gemm(x, cpu_kernels.pack(w))
+    assert got.shape == (rows, n) and got.is_contiguous()
+    torch.testing.assert_close(got, x @ w.T, atol=1e-4 * k ** 0.5, rtol=1e-5)
+
+
+def test_only_what_the_gemm_kernel_takes_is_packed():
+    c = cpu_kernels.panel_columns()
+    if not c:
+        pytest.skip("no GEMM kernel on this CPU")
+    assert cpu_kernels.pack(torch.zeros(c + 1, 8)) is None  # N off the panel width: torch's GEMM
+    assert cpu_kernels.pack(torch.zeros(c, 8, dtype=torch.bfloat16)) is None
+    assert cpu_kernels.pack(torch.zeros(2 * c, 8)).shape == (2, 8, c)
+
+
+def test_a_layer_with_panels_answers_as_its_weight_did():
+    """model.dense takes a layer's panels (CausalLM.pack's), bias included, as F.linear took its weight."""
+    if not cpu_kernels.panel_columns():
+        pytest.skip("no GEMM kernel on this CPU")
+    from slofleet.engine.model import dense
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 8 * cpu_kernels.panel_columns(), bias=True)
+    x = torch.randn(9, 48)
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    layer.panels = cpu_kernels.pack(layer.weight)
+    torch.testing.assert_close(dense(x, layer), want, atol=1e-5, rtol=1e-5)

@@ -25,7 +25,7 @@ from .loader import cache_root
 
 log = logging.getLogger("slofleet.engine.kernel")
 HERE = Path(__file__).parent
-SOURCES = [HERE / "paged_attention.cpp", HERE / "fused_ops.cpp"]
+SOURCES = [HERE / "paged_attention.cpp", HERE / "fused_ops.cpp", HERE / "small_gemm.cpp"]
 HEADERS = [HERE / "cpu_kernels.h"]
 # No contraction of a * b + c into one FMA: the torch ops these replace round the product first.
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC",
@@ -41,6 +41,8 @@ SIGNATURES = {
     "add_rms_norm": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _f32, _i32, _i32],
     "rope": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
     "silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i32],
+    "small_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32],
+    "gemm_panel_columns": [],
 }
 
 
@@ -150,3 +152,32 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     load().rope(qk.data_ptr(), qk.stride(0), cos.data_ptr(), sin.data_ptr(), qk.shape[0], qk.shape[1], qk.shape[2],
                 DTYPES[qk.dtype], torch.get_num_threads())
     return qk
+
+
+@functools.cache
+def panel_columns() -> int:
+    """Columns of W.T per packed panel (two vectors of this CPU's width); 0 where the GEMM kernel is not built."""
+    return 0 if load() is None else load().gemm_panel_columns()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """An fp32 CPU weight W [N, K] as the GEMM kernel reads it, [N / C, K, C] panels of W.T; None where the kernel
+    does not take it (another dtype or device, no kernel, N not a multiple of C)."""
+    c = panel_columns()
+    if (not c or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
+            or weight.shape[0] % c):
+        return None
+    n, k = weight.shape
+    return weight.detach().reshape(n // c, c, k).transpose(1, 2).contiguous()
+
+
+def gemm(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (fp32) @ W.T from W's panels (`pack`), into a new contiguous [M, N]."""
+    if x.shape[-1] != panels.shape[1] or x.dim() != 2:
+        raise ValueError(f"x {list(x.shape)} does not fit panels {list(panels.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((x.shape[0], panels.shape[0] * panels.shape[2]), dtype=x.dtype)
+    load().small_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], y.shape[1],
+                      panels.shape[1], torch.get_num_threads())
+    return y

@@ -1,6 +1,7 @@
 """`--dtype auto` on the CPU: measure, don't guess. A CPU with avx512_bf16 but no AMX can run bf16 GEMMs slower than
 fp32, one with AMX runs them several times faster, so a short probe times both at the model's own prefill and decode
-shapes and picks the faster. The answer is cached per CPU model and features, torch version, thread count and shape,
+shapes and picks the faster: each as the engine runs it (fp32 through the CPU's own GEMM kernel where it is built).
+The answer is cached per CPU model and features, torch version, thread count and shape,
 so later starts skip the probe.
 
 One timing is easily wrong on a shared machine: the first GEMMs of a process are slow (thread pool, kernel
@@ -53,12 +54,17 @@ def cpu_model() -> str:
     return " ".join([name, *(f for f in FEATURES if f in flags)])
 
 
-def gemm_gflops(rows: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.05) -> float:
+def gemm_gflops(rows: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.05, kernel: bool = False) -> float:
+    """GFLOP/s of [rows, k] @ [k, n]: torch's mm, or with `kernel` the product the engine runs in this dtype (the
+    CPU's own fp32 GEMM where it is built, see cpu_kernels.pack; else torch's)."""
+    from . import cpu_kernels  # here: cpu_kernels imports this module
     a, b = torch.randn(rows, k).to(dtype), torch.randn(k, n).to(dtype)
-    torch.mm(a, b)  # warm-up: first calls pay for kernel selection
+    panels = cpu_kernels.pack(b.T.contiguous()) if kernel else None
+    mm = torch.mm if panels is None else (lambda x, _: cpu_kernels.gemm(x, panels))
+    mm(a, b)  # warm-up: first calls pay for kernel selection
     reps, t0 = 0, time.perf_counter()
     while True:
-        torch.mm(a, b)
+        mm(a, b)
         reps += 1
         elapsed = time.perf_counter() - t0
         if elapsed >= seconds and reps >= 3:
@@ -74,12 +80,12 @@ def step_seconds(figures: dict[str, float], k: int, n: int) -> float:
 def probe(hidden: int, intermediate: int) -> dict[str, dict[str, float]]:
     shapes = {"prefill": PREFILL_ROWS, "decode": DECODE_ROWS}
     for name in CANDIDATES:
-        gemm_gflops(PREFILL_ROWS, hidden, intermediate, DTYPES[name], WARM_UP_S / len(CANDIDATES))
+        gemm_gflops(PREFILL_ROWS, hidden, intermediate, DTYPES[name], WARM_UP_S / len(CANDIDATES), kernel=True)
     best = {name: dict.fromkeys(shapes, 0.0) for name in CANDIDATES}
     for _ in range(ROUNDS):
         for name in CANDIDATES:
             for shape, rows in shapes.items():
-                rate = gemm_gflops(rows, hidden, intermediate, DTYPES[name], WINDOW_S)
+                rate = gemm_gflops(rows, hidden, intermediate, DTYPES[name], WINDOW_S, kernel=True)
                 best[name][shape] = max(best[name][shape], rate)
     return best
 
@@ -93,7 +99,9 @@ def choose(name: str, device: torch.device, hidden: int, intermediate: int) -> D
         return DtypeChoice(dtype=name, reason="flag", gflops={})
     if device.type == "cuda":
         return DtypeChoice(dtype="bfloat16", reason="gpu", gflops={})
-    key = f"{cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{hidden}x{intermediate}"
+    from . import cpu_kernels
+    gemm = "fp32 kernel" if cpu_kernels.panel_columns() else "torch"  # a probe of torch's fp32 answers nothing here
+    key = f"{cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{hidden}x{intermediate}|{gemm}"
     path = cache_file()
     try:
         cached = json.loads(path.read_text())

@@ -90,9 +90,14 @@ TRANSPOSED_ROWS = {torch.float32: 32, torch.bfloat16: 256}
 
 
 def dense(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """x @ W.T (+ b), as W @ x.T for a decode step's few rows on the CPU (TRANSPOSED_ROWS). The result is then a
-    column-major view: element-wise ops take it as it is, and a caller that hands it to a kernel or a view that needs
-    a contiguous last dimension copies it (`.contiguous()`, free on the row-major path)."""
+    """x @ W.T (+ b): by the GEMM kernel where the layer holds its panels (CausalLM.pack), else as W @ x.T for a
+    decode step's few rows on the CPU (TRANSPOSED_ROWS). The result is then a column-major view: element-wise ops
+    take it as it is, and a caller that hands it to a kernel or a view that needs a contiguous last dimension copies
+    it (`.contiguous()`, free on the row-major path)."""
+    panels = getattr(layer, "panels", None)
+    if panels is not None:
+        y = cpu_kernels.gemm(x, panels)
+        return y if layer.bias is None else y.add_(layer.bias)
     if x.shape[0] > TRANSPOSED_ROWS.get(x.dtype, 32) or x.device.type != "cpu":
         return nn.functional.linear(x, layer.weight, layer.bias)
     y = (layer.weight @ x.T).T
@@ -173,6 +178,15 @@ class CausalLM(nn.Module):
         if logits.dtype == torch.float32:  # to() hands an fp32 tensor back as it is, whatever memory_format says
             return logits.contiguous()
         return logits.to(torch.float32, memory_format=torch.contiguous_format)  # one copy, not .float().contiguous()
+
+    def pack(self) -> None:
+        """Where the CPU's GEMM kernel takes a projection (fp32), keep its weight only as the kernel's panels: the
+        same memory, read at every step size. A tied LM head keeps the embedding's weight, for the lookups."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear) and (panels := cpu_kernels.pack(m.weight)) is not None:
+                m.panels = panels
+                if m.weight is not self.embed_tokens.weight:
+                    m.weight = nn.Parameter(torch.empty(0, m.in_features), requires_grad=False)
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Fill the fused parameters from Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...)."""

@@ -47,6 +47,8 @@ class ModelRunner:
             model.lm_head.weight = model.embed_tokens.weight
         model.load_hf_state_dict(read_tensors(path))
         self.model = model.to(self.dtype).eval()
+        if self.device.type == "cpu":
+            model.pack()
         layer = model.layers[0]
         self.kv_shape = (config.block_size, layer.n_kv, layer.head_dim)
         self.num_layers = len(model.layers)
