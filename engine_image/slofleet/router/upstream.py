@@ -158,8 +158,9 @@ class Upstream:
                 return replica, resp, first, span, (time.time_ns() - span.start_time) / 1e9
             except asyncio.TimeoutError:  # busy, maybe not dead: it stays in rotation, the budget is spent
                 outcome = "timeout"
-                last = (504, error_body(504, f"no replica started answering within {self.cfg.ttfb_timeout:g} s",
-                                        "gateway_timeout"))
+                last = (504, error_body(504, f"no replica started answering within {self.cfg.ttfb_timeout:g} s (an "
+                                        "answer that is not streamed starts only once it is whole: stream long "
+                                        "generations, or raise --upstream-ttfb-timeout)", "gateway_timeout"))
                 break
             except OSError as e:  # its connect timeout too (a ConnectionError): a dead replica, not a slow one
                 outcome = "failed"
