@@ -33,6 +33,20 @@ def test_the_decision_follows_the_figures(tmp_path, monkeypatch):
     assert dtype_probe.choose("auto", torch.device("cpu"), HIDDEN, INTER).dtype == "bfloat16"
 
 
+def test_a_dtype_clearly_slower_after_a_round_is_timed_no_more(monkeypatch):
+    calls = []
+
+    def rate(rows, k, n, dtype, seconds=0.05, kernel=False, min_reps=3):
+        calls.append(dtype)
+        return 100.0 if dtype == torch.float32 else 100.0 / (2 * dtype_probe.CLEARLY)
+    monkeypatch.setattr(dtype_probe, "gemm_gflops", rate)
+    figures = dtype_probe.probe(HIDDEN, INTER)
+    assert figures["float32"] == {"prefill": 100.0, "decode": 100.0}
+    # warm-up once each, then bf16 for its two shapes in the first round only; fp32 in every round
+    assert calls.count(torch.bfloat16) == 1 + 2
+    assert calls.count(torch.float32) == 1 + 2 * dtype_probe.ROUNDS
+
+
 def test_a_flag_or_a_gpu_needs_no_probe():
     assert dtype_probe.choose("float32", torch.device("cpu"), HIDDEN, INTER).reason == "flag"
     gpu = dtype_probe.choose("auto", torch.device("cuda"), HIDDEN, INTER)

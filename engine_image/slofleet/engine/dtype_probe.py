@@ -29,6 +29,7 @@ DECODES_PER_PREFILL = 8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CANDIDATES = ("float32", "bfloat16")
 ROUNDS, WINDOW_S, WARM_UP_S = 5, 0.03, 0.2
+CLEARLY = 4.0  # a dtype whose step takes this many times the fastest's is out after a round
 FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which dtype's kernels are fast
 
 
@@ -54,7 +55,8 @@ def cpu_model() -> str:
     return " ".join([name, *(f for f in FEATURES if f in flags)])
 
 
-def gemm_gflops(rows: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.05, kernel: bool = False) -> float:
+def gemm_gflops(rows: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.05, kernel: bool = False,
+                min_reps: int = 3) -> float:
     """GFLOP/s of [rows, k] @ [k, n]: torch's mm, or with `kernel` the product the engine runs in this dtype (the
     CPU's own fp32 GEMM where it is built, see cpu_kernels.pack; else torch's)."""
     from . import cpu_kernels  # here: cpu_kernels imports this module
@@ -67,7 +69,7 @@ def gemm_gflops(rows: int, k: int, n: int, dtype: torch.dtype, seconds: float = 
         mm(a, b)
         reps += 1
         elapsed = time.perf_counter() - t0
-        if elapsed >= seconds and reps >= 3:
+        if elapsed >= seconds and reps >= min_reps:
             return 2 * rows * k * n * reps / elapsed / 1e9
 
 
@@ -78,15 +80,21 @@ def step_seconds(figures: dict[str, float], k: int, n: int) -> float:
 
 
 def probe(hidden: int, intermediate: int) -> dict[str, dict[str, float]]:
+    """Best GFLOP/s per dtype and shape over ROUNDS. A dtype CLEARLY slower than another after a round is measured
+    no more: bf16 emulated on an AVX2 CPU runs at ~1 GFLOP/s, and timing it every round added ~15 s to a start."""
     shapes = {"prefill": PREFILL_ROWS, "decode": DECODE_ROWS}
     for name in CANDIDATES:
-        gemm_gflops(PREFILL_ROWS, hidden, intermediate, DTYPES[name], WARM_UP_S / len(CANDIDATES), kernel=True)
+        gemm_gflops(PREFILL_ROWS, hidden, intermediate, DTYPES[name], WARM_UP_S / len(CANDIDATES), kernel=True,
+                    min_reps=1)
     best = {name: dict.fromkeys(shapes, 0.0) for name in CANDIDATES}
+    measured = list(CANDIDATES)
     for _ in range(ROUNDS):
-        for name in CANDIDATES:
+        for name in measured:
             for shape, rows in shapes.items():
                 rate = gemm_gflops(rows, hidden, intermediate, DTYPES[name], WINDOW_S, kernel=True)
                 best[name][shape] = max(best[name][shape], rate)
+        seconds = {name: step_seconds(best[name], hidden, intermediate) for name in measured}
+        measured = [name for name in measured if seconds[name] < CLEARLY * min(seconds.values())]
     return best
 
 
