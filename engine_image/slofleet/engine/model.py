@@ -90,10 +90,10 @@ TRANSPOSED_ROWS = {torch.float32: 32, torch.bfloat16: 256}
 
 
 def dense(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """x @ W.T (+ b): by the GEMM kernel where the layer holds its panels (CausalLM.pack), else as W @ x.T for a
-    decode step's few rows on the CPU (TRANSPOSED_ROWS). The result is then a column-major view: element-wise ops
-    take it as it is, and a caller that hands it to a kernel or a view that needs a contiguous last dimension copies
-    it (`.contiguous()`, free on the row-major path)."""
+    """x @ W.T (+ b): by the GEMM kernel where the layer holds its panels (CausalLM.pack; a contiguous result),
+    else as W @ x.T for a decode step's few rows on the CPU (TRANSPOSED_ROWS), whose result is a column-major view:
+    element-wise ops take it as it is, and a caller that hands it to a kernel or a view that needs a contiguous last
+    dimension copies it (`.contiguous()`, free on the other paths)."""
     panels = getattr(layer, "panels", None)
     if panels is not None:
         y = cpu_kernels.gemm(x, panels)
@@ -180,8 +180,9 @@ class CausalLM(nn.Module):
         return logits.to(torch.float32, memory_format=torch.contiguous_format)  # one copy, not .float().contiguous()
 
     def pack(self) -> None:
-        """Where the CPU's GEMM kernel takes a projection (fp32), keep its weight only as the kernel's panels: the
-        same memory, read at every step size. A tied LM head keeps the embedding's weight, for the lookups."""
+        """Where the CPU's GEMM kernel takes a projection (fp32), keep its weight only as the kernel's panels (the
+        first layout is freed, so no more memory), used at every step size. A tied LM head's panels are a copy: the
+        embedding keeps its weight for the lookups."""
         for m in self.modules():
             if isinstance(m, nn.Linear) and (panels := cpu_kernels.pack(m.weight)) is not None:
                 m.panels = panels
