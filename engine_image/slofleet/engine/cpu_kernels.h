@@ -80,7 +80,7 @@ struct V256 {
             __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(base) + idx));
             return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
         } else {
-            return _mm256_loadu_ps(static_cast<const float *>(base) + idx);
+            return loadu(static_cast<const float *>(base) + idx);
         }
     }
     static T loadu(const float *p) { return _mm256_loadu_ps(p); }
@@ -90,9 +90,8 @@ struct V256 {
     static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
     static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
     static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-    static __m128 halves(T v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
     static float sum(T v) {
-        __m128 x = halves(v);
+        __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         x = _mm_add_ps(x, _mm_movehl_ps(x, x));
         return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
     }

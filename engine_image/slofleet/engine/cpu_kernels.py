@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .dtype_probe import cpu_model
+from . import dtype_probe  # as a module: it imports this one too
 from .loader import cache_root
 
 log = logging.getLogger("slofleet.engine.kernel")
@@ -63,7 +63,7 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get(DISABLE) == "1":
         return None
     text = b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()
-    key = hashlib.sha256(text + cpu_model().encode() + torch.__version__.encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + dtype_probe.cpu_model().encode() + torch.__version__.encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
     try:
         if not path.exists():

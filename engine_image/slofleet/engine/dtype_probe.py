@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_kernels
 from .loader import cache_root
 
 log = logging.getLogger("slofleet.engine.dtype")
@@ -59,7 +60,6 @@ def gemm_gflops(rows: int, k: int, n: int, dtype: torch.dtype, seconds: float = 
                 min_reps: int = 3) -> float:
     """GFLOP/s of [rows, k] @ [k, n]: torch's mm, or with `kernel` the product the engine runs in this dtype (the
     CPU's own fp32 GEMM where it is built, see cpu_kernels.pack; else torch's)."""
-    from . import cpu_kernels  # here: cpu_kernels imports this module
     a, b = torch.randn(rows, k).to(dtype), torch.randn(k, n).to(dtype)
     panels = cpu_kernels.pack(b.T.contiguous()) if kernel else None
     mm = torch.mm if panels is None else (lambda x, _: cpu_kernels.gemm(x, panels))
@@ -107,7 +107,6 @@ def choose(name: str, device: torch.device, hidden: int, intermediate: int) -> D
         return DtypeChoice(dtype=name, reason="flag", gflops={})
     if device.type == "cuda":
         return DtypeChoice(dtype="bfloat16", reason="gpu", gflops={})
-    from . import cpu_kernels
     gemm = "fp32 kernel" if cpu_kernels.panel_columns() else "torch"  # a probe of torch's fp32 answers nothing here
     key = f"{cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{hidden}x{intermediate}|{gemm}"
     path = cache_file()

@@ -162,6 +162,9 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, attention) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        for m in self.modules():  # dense() asks each step; a missing attribute costs nn.Module's slow lookup
+            if isinstance(m, nn.Linear):
+                m.panels = None
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, self.layers[0].head_dim, max_len)
