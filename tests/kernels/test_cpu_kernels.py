@@ -1,5 +1,6 @@
-"""The CPU kernels against the torch ops they replace: paged decode attention (paged_attention.cpp), the fused
-residual add + RMSNorm and rotary embedding (fused_ops.cpp); and the fallback without a compiler."""
+"""The CPU kernels against the torch ops they replace: paged decode and prefill attention (paged_attention.cpp,
+prefill_attention.cpp), the fused residual add + RMSNorm and rotary embedding (fused_ops.cpp); and the fallback
+without a compiler."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -15,6 +16,8 @@ from tests.kernels.test_attention import make_batch
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler here to build the kernels")
 
 SPANS = [(1, 300), (1, 1), (1, 17), (5, 300), (1, 33), (17, 40), (20, 60), (33, 33), (4, 4), (1, 129)]
+# prefill chunks past one query block (48 rows a tile on AVX-512, 24 on AVX2) and one key tile, fresh and over a cache
+LONG_SPANS = [(300, 300), (100, 400), (64, 200), (1, 50), (49, 49), (250, 251)]
 
 
 def attend(spans, block_size, heads, kv_heads, dim, dtype, kernel: bool, monkeypatch, seed=0):
@@ -47,6 +50,22 @@ def test_kernel_matches_the_gather_path(dtype, block_size, heads, kv_heads, dim,
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (6, 2, 80)])
+def test_long_prefill_chunks_match_the_torch_path(dtype, heads, kv_heads, dim, monkeypatch):
+    """The prefill kernel takes head dims 64 and 128 on a vector CPU; head dim 80 stays on SDPA (checked the same)."""
+    q, cache = torch.zeros(1, heads, dim, dtype=dtype), torch.zeros(1, 16, kv_heads, dim, dtype=dtype)
+    assert cpu_kernels.prefill_usable(q, cache) == (dim in (64, 128) and vector_cpu())
+    got = attend(LONG_SPANS, 16, heads, kv_heads, dim, dtype, True, monkeypatch, seed=dim)
+    want = attend(LONG_SPANS, 16, heads, kv_heads, dim, dtype, False, monkeypatch, seed=dim)
+    atol = 2e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+
+
+def vector_cpu() -> bool:
+    return bool({"avx512f", "avx2"} & set(dtype_probe.cpu_model().split()))  # every AVX2 CPU has FMA too
+
+
 @pytest.fixture(scope="module")
 def avx2_build(tmp_path_factory):
     """On an AVX-512 CPU, the kernels also built as for an AVX2 one, so one machine checks both vector widths."""
@@ -61,8 +80,8 @@ def avx2_build(tmp_path_factory):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128)])
 def test_the_avx2_template_matches_the_gather_path_too(dtype, heads, kv_heads, dim, avx2_build, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load", lambda: avx2_build)
-    got = attend(SPANS, 16, heads, kv_heads, dim, dtype, True, monkeypatch, seed=heads)
-    want = attend(SPANS, 16, heads, kv_heads, dim, dtype, False, monkeypatch, seed=heads)
+    got = attend(SPANS + LONG_SPANS, 16, heads, kv_heads, dim, dtype, True, monkeypatch, seed=heads)
+    want = attend(SPANS + LONG_SPANS, 16, heads, kv_heads, dim, dtype, False, monkeypatch, seed=heads)
     atol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
 

@@ -64,8 +64,8 @@ class TorchAttention:
         v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
     def _plan(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> dict:
-        """Gather indices and masks shared by all layers of one step; the decodes go to the in-place kernel where it
-        takes this model's shapes.
+        """Gather indices and masks shared by all layers of one step; decodes and prefill chunks go to the in-place
+        kernels where they take this model's shapes.
 
         Context is gathered a whole block at a time (index_select over block ids): copying 16-token runs is
         tens of times faster than indexing token slots one by one, and the tail past each length is masked.
@@ -73,20 +73,25 @@ class TorchAttention:
         bs, device = self.block_size, k_cache.device
         qlens, slens = meta.query_lens_host, meta.seq_lens_host
         decodes = [i for i, q in enumerate(qlens) if q == 1 or q <= SHORT_QUERY and q < slens[i]]
-        kernel, decode_chunks = None, []
+        prefills = sorted(set(range(len(qlens))) - set(decodes))
+        kernel, decode_chunks = {}, []
+        as_i32 = functools.partial(torch.as_tensor, dtype=torch.int32, device=device)
         if decodes and cpu_kernels.attention_usable(q, k_cache):
-            as_i32 = functools.partial(torch.as_tensor, dtype=torch.int32, device=device)
-            kernel = (as_i32(decodes), as_i32(qlens), meta.block_tables.to(torch.int32).contiguous(),
-                      meta.query_start_loc.to(torch.int32).contiguous(), meta.seq_lens.to(torch.int32).contiguous())
-        elif decodes:
+            kernel["decode"], decodes = as_i32(decodes), []
+        if prefills and cpu_kernels.prefill_usable(q, k_cache):
+            kernel["prefill"], prefills = as_i32(prefills), []
+        if kernel:
+            kernel["args"] = (meta.block_tables.to(torch.int32).contiguous(),
+                              meta.query_start_loc.to(torch.int32).contiguous(), as_i32(qlens),
+                              meta.seq_lens.to(torch.int32).contiguous())
+        if decodes:
             decode_chunks = self._decode_chunks(meta, decodes, len(qlens), k_cache)
-        if decode_chunks:
             rows = max(len(blocks) for _, blocks, _, _, _ in decode_chunks)
             if self.buffers is None or len(self.buffers[0]) < rows or self.buffers[0].dtype != k_cache.dtype:
                 self.buffers = (k_cache.new_empty((rows, *k_cache.shape[1:])),
                                 k_cache.new_empty((rows, *k_cache.shape[1:])))
         prefill_info = []
-        for i in sorted(set(range(len(qlens))) - set(decodes)):
+        for i in prefills:
             start, q, L = int(meta.query_start_loc[i]), qlens[i], slens[i]
             if q == L:  # nothing cached before this chunk: plain causal attention on the new K/V
                 prefill_info.append((start, q, None, None))
@@ -151,9 +156,11 @@ class TorchAttention:
             meta.cache = self._plan(meta, q, k_cache)
         plan = meta.cache
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if plan["kernel"] is not None:
-            rows, qlens, tables, starts, lens = plan["kernel"]
-            cpu_kernels.decode(q, k_cache, v_cache, tables, rows, starts, qlens, lens, out, scale)
+        kernel = plan["kernel"]
+        for kind in ("decode", "prefill"):
+            if kind in kernel:
+                tables, starts, qlens, lens = kernel["args"]
+                cpu_kernels.attend(kind, q, k_cache, v_cache, tables, kernel[kind], starts, qlens, lens, out, scale)
         for rows, blocks, mask, n, valid in plan["decode_chunks"]:
             kk = self.gather(k_cache, blocks, n, self.buffers[0]).transpose(1, 2)  # [B, kvh, L, d]
             vv = self.gather(v_cache, blocks, n, self.buffers[1]).transpose(1, 2)

@@ -1,6 +1,7 @@
 // Helpers the CPU kernels share: bf16 <-> fp32 as torch rounds, and the vector type of the CPU in hand (AVX-512, else
 // AVX2 with FMA) with the few operations the attention kernel needs, so that kernel is written once for both widths.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -61,7 +62,13 @@ struct V512 {
     static void storeu(float *p, T v) { _mm512_storeu_ps(p, v); }
     static T zero() { return _mm512_setzero_ps(); }
     static T set1(float f) { return _mm512_set1_ps(f); }
+    static T add(T a, T b) { return _mm512_add_ps(a, b); }
     static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+    static T vmax(T a, T b) { return _mm512_max_ps(a, b); }
+    // s where key <= pos (the lane's row sees that key), else -inf
+    static T mask_after(T s, T pos, float key) {
+        return _mm512_mask_mov_ps(set1(-INFINITY), _mm512_cmp_ps_mask(set1(key), pos, _CMP_LE_OQ), s);
+    }
     static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
     static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
     static float sum(T v) { return _mm512_reduce_add_ps(v); }
@@ -87,7 +94,12 @@ struct V256 {
     static void storeu(float *p, T v) { _mm256_storeu_ps(p, v); }
     static T zero() { return _mm256_setzero_ps(); }
     static T set1(float f) { return _mm256_set1_ps(f); }
+    static T add(T a, T b) { return _mm256_add_ps(a, b); }
     static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+    static T vmax(T a, T b) { return _mm256_max_ps(a, b); }
+    static T mask_after(T s, T pos, float key) {
+        return _mm256_blendv_ps(set1(-INFINITY), s, _mm256_cmp_ps(set1(key), pos, _CMP_LE_OQ));
+    }
     static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
     static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
     static float sum(T v) {

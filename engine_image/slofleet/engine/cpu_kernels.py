@@ -1,4 +1,5 @@
-"""The engine's CPU kernels (paged_attention.cpp, fused_ops.cpp): built once per machine, called with ctypes.
+"""The engine's CPU kernels (paged_attention.cpp, prefill_attention.cpp, fused_ops.cpp, small_gemm.cpp): built once
+per machine, called with ctypes.
 
 They are plain C++, not a torch extension, so building takes seconds with the system's compiler and needs no torch
 headers or ninja; the shared object is cached under `$SLOFLEET_CACHE/kernels`, keyed by the sources and the CPU,
@@ -25,7 +26,7 @@ from .loader import cache_root
 
 log = logging.getLogger("slofleet.engine.kernel")
 HERE = Path(__file__).parent
-SOURCES = [HERE / "paged_attention.cpp", HERE / "fused_ops.cpp", HERE / "small_gemm.cpp"]
+SOURCES = [HERE / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "small_gemm.cpp")]
 HEADERS = [HERE / "cpu_kernels.h"]
 # No contraction of a * b + c into one FMA: the torch ops these replace round the product first.
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC",
@@ -35,9 +36,11 @@ MAX_HEAD_DIM, MAX_GROUP, MAX_ROPE_DIM = 256, 16, 1024  # the kernels' stack buff
 DISABLE = "SLOFLEET_NO_KERNELS"  # set to 1 to run the torch ops (a comparison, or a machine whose build misbehaves)
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+_ATTENTION = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32,
+              _f32, _i32, _i32]
 SIGNATURES = {
-    "paged_decode": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32, _ptr, _ptr, _ptr, _ptr,
-                     _i32, _i32, _i32, _i32, _f32, _i32, _i32],
+    "paged_decode": _ATTENTION,
+    "paged_prefill": _ATTENTION,
     "add_rms_norm": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _f32, _i32, _i32],
     "rope": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
     "silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i32],
@@ -98,19 +101,27 @@ def attention_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and heads // kv_heads <= MAX_GROUP and usable(q, k_cache))
 
 
-def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+def prefill_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the prefill-attention kernel takes this layer's shapes (head size 64 or 128, a vector unit)."""
+    return (attention_usable(q, k_cache)
+            and load().paged_prefill(None, 0, 0, None, None, None, 0, None, 0, None, None, None, None, q.shape[1],
+                                     k_cache.shape[2], q.shape[2], k_cache.shape[1], 1.0, 0, 1) == 0)
+
+
+def attend(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            rows: torch.Tensor, query_start: torch.Tensor, query_len: torch.Tensor, seq_len: torch.Tensor,
            out: torch.Tensor, scale: float) -> None:
-    """Attention of `rows` (int32 batch rows, each a few query tokens over its cached context) into out's tokens.
-    block_tables, query_start, query_len and seq_len are int32 and contiguous, one entry per batch row."""
+    """Attention of `rows` (int32 batch rows over their cached context) into out's tokens, by the "decode" kernel
+    (a few query tokens a row) or the "prefill" one (chunks). block_tables, query_start, query_len and seq_len are
+    int32 and contiguous, one entry per batch row; the rows' new K/V are in the cache already."""
     heads, d = q.shape[1], q.shape[2]
-    rc = load().paged_decode(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-                             block_tables.data_ptr(), block_tables.stride(0), rows.data_ptr(), len(rows),
-                             query_start.data_ptr(), query_len.data_ptr(), seq_len.data_ptr(), out.data_ptr(),
-                             heads, k_cache.shape[2], d, k_cache.shape[1], scale, DTYPES[q.dtype],
-                             torch.get_num_threads())
+    rc = getattr(load(), f"paged_{kind}")(
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), rows.data_ptr(), len(rows), query_start.data_ptr(), query_len.data_ptr(),
+        seq_len.data_ptr(), out.data_ptr(), heads, k_cache.shape[2], d, k_cache.shape[1], scale, DTYPES[q.dtype],
+        torch.get_num_threads())
     if rc != 0:
-        raise ValueError(f"paged decode kernel refused heads={heads} kv_heads={k_cache.shape[2]} head_dim={d}")
+        raise ValueError(f"paged {kind} kernel refused heads={heads} kv_heads={k_cache.shape[2]} head_dim={d}")
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
