@@ -11,6 +11,11 @@ most requests. Round-robin's hit rate is about the share of documents one replic
 the fleet holds them all: with 2 engines it sits near 50% and its P50 flips between runs; the defaults use 3.
 
     .venv/bin/python benchmarks/router_prefix.py --engines 3 --docs 6 --requests 80
+
+Issue #16's multi-tenant run: 8 tenants of ~1,515 tokens (together 2.05x one engine's KV), engine 0 restarted
+halfway, round-robin vs prefix hashing vs the event index (about 15 minutes on 2 cores):
+
+    .venv/bin/python benchmarks/router_prefix.py --docs 8 --doc-words 1470 --num-blocks 370 --requests 320 --restart
 """
 from __future__ import annotations
 

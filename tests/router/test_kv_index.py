@@ -48,7 +48,7 @@ def precise(monkeypatch):
     return kv_index.Precise("stub", "tcp://{host}:1")
 
 
-def test_longest_prefix_then_load_then_hashing(precise):
+def test_longest_prefix_then_load_then_room(precise):
     bal = Balancer("precise", precise=precise)
     bal.set_urls([A, B, C])
     rs = [Replica(A, ready=True), Replica(B, ready=True), Replica(C, ready=True)]
@@ -63,10 +63,46 @@ def test_longest_prefix_then_load_then_hashing(precise):
     precise.index.stored(C, chain[:3])
     rs[1].inflight = 1
     assert bal.choose(rs, key, set()).url == C  # as long a prefix, less load
-    rs[1].inflight = rs[2].inflight = 9  # both over the bound: the next longest under it
+    rs[1].inflight = rs[2].inflight = 9  # their queues cost more than the block A lacks
     assert bal.choose(rs, key, set()).url == A
-    other = Prefix(bal.key(None, None, "y" * 300, 256), [12345])
-    assert bal.choose(rs, other, set()).url == bal.choose(rs, other.ring, set()).url  # nobody holds it: the ring
+    rs[1].inflight = rs[2].inflight = 0
+    # a prefix nobody holds: the replica whose cache holds least (A: 2 blocks), and its next request follows it
+    # there, busy or not, until its blocks show in the events
+    new = Prefix(bal.key(None, None, "y" * 300, 256), [101, 102, 103, 104, 105])
+    assert bal.choose(rs, new, set()).url == A
+    rs[0].inflight = 1
+    assert bal.choose(rs, new, set()).url == A
+    # A's 2 blocks and the 5 placed there outweigh B's and C's 3: the next new prefix goes to B
+    assert bal.choose(rs, Prefix(None, [201]), set()).url == B
+    precise.index.stored(A, [101])  # its first block is in A's events now: the index leads, the placement goes
+    assert bal.choose(rs, new, set()).url == B  # A saves 1 block of 5, its request in flight costs about 2
+    rs[0].inflight = 0
+    assert bal.choose(rs, new, set()).url == A
+    rs[0].inflight = 1
+    # A 3 blocks, B 3 and 1 placed, C 3 and less load than A
+    assert bal.choose(rs, Prefix(None, [301]), set()).url == C
+    assert 101 not in precise.pending and 201 in precise.pending
+
+
+def test_a_holder_keeps_its_prefix_until_its_queue_costs_more_than_a_miss(precise):
+    bal = Balancer("precise", precise=precise)
+    bal.set_urls([A, B])
+    rs = [Replica(A, ready=True), Replica(B, ready=True)]
+    chain = [1, 2, 3, 4]
+    precise.index.block_size = 16
+    precise.index.stored(A, chain)
+    precise.work = 3.0  # routed requests have had 3 blocks to prefill on average
+    assert bal.choose(rs, Prefix(None, chain), set()).url == A
+    assert precise.work == 0.9 * 3.0  # that one had none to prefill
+    precise.work = 3.0
+    rs[0].inflight = 1  # 1 x (3 + 1) = 4: as much as B's whole miss, and more load
+    assert bal.choose(rs, Prefix(None, chain), set()).url == B
+    rs[0].inflight = 0
+    precise.index.stored(B, chain[:1])
+    rs[1].inflight = 0
+    assert bal.choose(rs, Prefix(None, chain), set()).url == A
+    rs[0].inflight, rs[1].inflight = 5, 0  # over twice the load bound of ceil(1.25 * 6 / 2) = 4: not a candidate
+    assert bal.choose(rs, Prefix(None, chain), set()).url == B
 
 
 class Publisher:

@@ -12,9 +12,10 @@ requests; the key's ring position is walked clockwise to the first replica under
 spills to its ring neighbours instead of queueing on one replica, and a removed replica only moves its own keys.
 A replica whose KV cache is nearly full is skipped the same way.
 
-`precise` (kv_index.py) scores replicas by the longest prefix of the request's blocks their KV events say they
-hold, under the same load bound, and falls back to this hashing when none holds its first block (no events yet,
-a new prefix): so a new prefix's concurrent first requests still land together."""
+`precise` (kv_index.py) scores replicas by what their KV events say they hold: the blocks of the request each
+would still have to prefill plus the work queued on it, under twice the load bound; a prefix none holds goes to
+the replica whose cache holds least, and its next requests follow it until its blocks show in the events. Before
+any event (no block size to hash with) it routes by this hashing."""
 from __future__ import annotations
 
 import bisect
@@ -94,7 +95,7 @@ class Balancer:
         if self.policy == "least-load" or key is None:
             return min(roomy, key=lambda r: (r.load(), r.kv_usage))
         bound = math.ceil(self.load_factor * (sum(r.load() for r in cands) + 1) / len(cands))
-        if isinstance(key, Prefix):  # the longest cached prefix; no replica holding its first block: hashing
+        if isinstance(key, Prefix):  # the soonest start by the index; every replica over the bound: hashing
             r = self.precise.pick(roomy, key.chain, bound)
             if r is not None or key.ring is None:
                 return r or min(roomy, key=lambda r: (r.load(), r.kv_usage))

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from urllib.parse import urlsplit
 
 import msgpack
@@ -28,6 +29,8 @@ log = logging.getLogger("slofleet.router.kv_index")
 END = (-1).to_bytes(8, "big", signed=True)
 ENTRY_BYTES = 420  # measured (tracemalloc, CPython 3.11): one (replica, hash) entry, 240 when 3 replicas share it
 REPLAY_TIMEOUT_S = 1.0
+PENDING_S = 30.0  # how long a new prefix's placement is remembered while its blocks are not yet in the events
+MAX_PENDING = 4096
 
 
 class PrefixIndex:
@@ -37,6 +40,7 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self.lru: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.holders: dict[int, set[str]] = {}
+        self.count: Counter[str] = Counter()  # blocks each replica holds
         self.block_size: int | None = None  # from the events: the chain is over blocks of this many tokens
 
     def __len__(self) -> int:
@@ -48,6 +52,8 @@ class PrefixIndex:
 
     def stored(self, url: str, hashes: list[int]) -> None:
         for h in hashes:
+            if (url, h) not in self.lru:
+                self.count[url] += 1
             self.lru[(url, h)] = None
             self.lru.move_to_end((url, h))
             self.holders.setdefault(h, set()).add(url)
@@ -55,6 +61,7 @@ class PrefixIndex:
             self._drop(*self.lru.popitem(last=False)[0])
 
     def _drop(self, url: str, h: int) -> None:
+        self.count[url] -= 1
         held = self.holders.get(h)
         if held is not None:
             held.discard(url)
@@ -232,12 +239,14 @@ class Subscriptions:
 
 
 class Precise:
-    """The precise policy's half of the balancer: a request's chain, and the replica holding most of it."""
+    """The precise policy's half of the balancer: a request's chain, and the replica it starts soonest on."""
 
     def __init__(self, model: str, endpoint: str, replay_endpoint: str = "", max_blocks: int = 1_000_000):
         self.index = PrefixIndex(max_blocks)
         self.tokens = Tokenized(model)
         self.subscriptions = Subscriptions(self.index, endpoint, replay_endpoint)
+        self.pending: dict[int, tuple[str, int, float]] = {}  # a new prefix's first block -> (replica, blocks, when)
+        self.work = 0.0  # blocks a routed request has had to prefill, a running mean (see note)
 
     def chain(self, messages: list[dict] | None, prompt) -> list[int] | None:
         """None before any replica published a block (nothing to match: the hash policy routes)."""
@@ -246,8 +255,42 @@ class Precise:
         return self.tokens.chain(ids, bs) if ids else None
 
     def pick(self, replicas: list, chain: list[int], bound: float):
-        """The replica under the load bound with the longest cached prefix, the least loaded among equals; None
-        when none holds the first block."""
-        held = self.index.match(chain, [r.url for r in replicas])
-        best = max((r for r in replicas if r.load() < bound), key=lambda r: (held[r.url], -r.load()), default=None)
-        return best if best is not None and held[best.url] else None
+        """The replica where the request's prompt starts soonest: fewest of its blocks left to prefill plus the
+        work queued ahead (load x the blocks a routed request has had to prefill, on average), among replicas under
+        twice the load bound (a holder may take more than its share before its prefix must spill, as a miss costs
+        a whole prefill). A prefix nobody holds is placed by place(). None when every replica is over the bound."""
+        fits = [r for r in replicas if r.load() < 2 * bound]
+        if not fits:
+            return None
+        held = self.index.match(chain, [r.url for r in fits])
+        if not any(held.values()):
+            return self.place(fits, chain)
+        best = min(fits, key=lambda r: (len(chain) - held[r.url] + r.load() * (self.work + 1), r.load()))
+        self.note(len(chain) - held[best.url])
+        return best
+
+    def place(self, fits: list, chain: list[int]):
+        """A new prefix goes where the caches hold least (events, plus placements not in them yet), so tenants
+        spread by room rather than by hash, and a restarted replica fills first; its next requests follow it until
+        its blocks show in the events."""
+        now, holders = time.monotonic(), self.index.holders
+        self.pending = {h: p for h, p in self.pending.items()
+                        if now - p[2] < PENDING_S and p[0] not in holders.get(h, ())}
+        by_url = {r.url: r for r in fits}
+        placed = self.pending.get(chain[0])
+        if placed is not None and placed[0] in by_url:
+            best = by_url[placed[0]]
+        else:
+            queued = Counter()
+            for url, blocks, _ in self.pending.values():
+                queued[url] += blocks
+            best = min(fits, key=lambda r: (self.index.count[r.url] + queued[r.url], r.load()))
+            if len(self.pending) >= MAX_PENDING:
+                self.pending.pop(next(iter(self.pending)))
+            self.pending[chain[0]] = (best.url, len(chain), now)
+        self.note(len(chain))
+        return best
+
+    def note(self, blocks: int) -> None:
+        """Weight 0.1 on the newest; it starts at 0, so before any is known a queued request costs 1 block."""
+        self.work = 0.9 * self.work + 0.1 * blocks
