@@ -127,13 +127,24 @@ def torch_path(monkeypatch):
 def test_add_rms_norm_matches_torch(dtype, rows, delta_layout, monkeypatch):
     """The residual add and RMSNorm in one pass: x updated in place and the normalised rows as torch computes them,
     with the delta as a W @ x.T product hands it over (column-major) or row-major."""
+    check_norm(dtype, rows, delta_layout, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [576, 100])  # 100: a tail past the vectors and the sixteen running sums
+def test_the_avx2_norm_matches_torch_too(dtype, hidden, avx2_build, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "load", lambda: avx2_build)
+    check_norm(dtype, 300, "rows", monkeypatch, hidden)
+
+
+def check_norm(dtype, rows, delta_layout, monkeypatch, hidden=576):
     gen = torch.Generator().manual_seed(rows)
-    x = (torch.randn((rows, 576), generator=gen) * 3).to(dtype)
-    delta = {None: None, "rows": torch.randn((rows, 576), generator=gen).to(dtype),
-             "columns": torch.randn((576, rows), generator=gen).to(dtype).T}[delta_layout]
-    norm = RMSNorm(576, 1e-5).to(dtype)
+    x = (torch.randn((rows, hidden), generator=gen) * 3).to(dtype)
+    delta = {None: None, "rows": torch.randn((rows, hidden), generator=gen).to(dtype),
+             "columns": torch.randn((hidden, rows), generator=gen).to(dtype).T}[delta_layout]
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
     with torch.no_grad():
-        norm.weight.copy_(torch.rand(576, generator=gen) + 0.5)
+        norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
         x2 = x.clone()
         got = norm(x, delta)
         with monkeypatch.context() as m:

@@ -74,6 +74,15 @@ struct V512 {
     static float sum(T v) { return _mm512_reduce_add_ps(v); }
     static float max(T v) { return _mm512_reduce_max_ps(v); }
     static T exp(T x) { return exp16(x); }
+    static T round_bf16(T v) { return keep_bf16(v); }
+    template <bool BF16>
+    static void store(void *base, int64_t idx, T v) {  // bf16: rounded to nearest even, as torch stores it
+        if constexpr (BF16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i *>(static_cast<uint16_t *>(base) + idx),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(keep_bf16(v)), 16)));
+        else
+            _mm512_storeu_ps(static_cast<float *>(base) + idx, v);
+    }
 };
 using Vec = V512;
 #define SLOFLEET_VEC 1
@@ -122,6 +131,22 @@ struct V256 {
         for (float c : {8.33338592e-3f, 4.16666418e-2f, 0.166666672f, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, set1(c));
         __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
         return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_cmp_ps(x, set1(-87.0f), _CMP_GE_OQ));
+    }
+    static T round_bf16(T f) {  // as keep_bf16
+        __m256i u = _mm256_castps_si256(f);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+        return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(int(0xffff0000u))));
+    }
+    template <bool BF16>
+    static void store(void *base, int64_t idx, T v) {
+        if constexpr (BF16) {
+            __m256i h = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+            _mm_storeu_si128(reinterpret_cast<__m128i *>(static_cast<uint16_t *>(base) + idx),
+                             _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+        } else {
+            _mm256_storeu_ps(static_cast<float *>(base) + idx, v);
+        }
     }
 };
 using Vec = V256;

@@ -31,6 +31,59 @@ inline void st(void *p, int64_t i, float f) {
         static_cast<float *>(p)[i] = f;
 }
 
+// x[base..] += y[y_at..] over a row (both contiguous), rounded to the dtype.
+template <bool BF16>
+void add_row(void *x, int64_t base, const void *y, int64_t y_at, int64_t hidden) {
+    int64_t i = 0;
+#if defined(SLOFLEET_VEC)
+    for (; i + Vec::N <= hidden; i += Vec::N)
+        Vec::store<BF16>(x, base + i, Vec::add(Vec::load<BF16>(x, base + i), Vec::load<BF16>(y, y_at + i)));
+#endif
+    for (; i < hidden; i++) st<BF16>(x, base + i, ld<BF16>(x, base + i) + ld<BF16>(y, y_at + i));
+}
+
+// The row's sum of squares in sixteen running sums (one or two vectors of them, or a plain array the compiler
+// vectorises for fp32 only), added up in one order: the same bits whichever way it runs.
+template <bool BF16>
+float sum_squares(const void *x, int64_t base, int64_t hidden) {
+    float part[16] = {0};
+    int64_t i = 0;
+#if defined(SLOFLEET_VEC)
+    constexpr int A = 16 / Vec::N;
+    Vec::T acc[A];
+    for (int a = 0; a < A; a++) acc[a] = Vec::zero();
+    for (; i + 16 <= hidden; i += 16)
+        for (int a = 0; a < A; a++) {
+            Vec::T v = Vec::load<BF16>(x, base + i + a * Vec::N);
+            acc[a] = Vec::add(acc[a], Vec::mul(v, v));
+        }
+    for (int a = 0; a < A; a++) Vec::storeu(part + a * Vec::N, acc[a]);
+#else
+    for (; i + 16 <= hidden; i += 16)
+        for (int l = 0; l < 16; l++) part[l] += ld<BF16>(x, base + i + l) * ld<BF16>(x, base + i + l);
+#endif
+    float sum = 0.0f;
+    for (; i < hidden; i++) sum += ld<BF16>(x, base + i) * ld<BF16>(x, base + i);
+    for (int l = 0; l < 16; l++) sum += part[l];
+    return sum;
+}
+
+// out = w * (x * inv), the normalised x rounded to the dtype before the weight multiplies it.
+template <bool BF16>
+void scale_row(const void *x, int64_t base, const void *w, void *out, float inv, int64_t hidden) {
+    int64_t i = 0;
+#if defined(SLOFLEET_VEC)
+    for (; i + Vec::N <= hidden; i += Vec::N) {
+        Vec::T n = Vec::mul(Vec::load<BF16>(x, base + i), Vec::set1(inv));
+        Vec::store<BF16>(out, base + i, Vec::mul(Vec::load<BF16>(w, i), BF16 ? Vec::round_bf16(n) : n));
+    }
+#endif
+    for (; i < hidden; i++) {
+        float n = ld<BF16>(x, base + i) * inv;
+        st<BF16>(out, base + i, ld<BF16>(w, i) * (BF16 ? bf16_widen(bf16_round(n)) : n));
+    }
+}
+
 template <bool BF16>
 void norm_rows(void *x, const void *y, int64_t y_row, int64_t y_col, const void *w, void *out, int64_t rows,
                int64_t hidden, float eps, int threads) {
@@ -38,22 +91,12 @@ void norm_rows(void *x, const void *y, int64_t y_row, int64_t y_col, const void 
     for (int64_t r = 0; r < rows; r++) {
         int64_t base = r * hidden;
         if (y && y_col == 1)
-            for (int64_t i = 0; i < hidden; i++) st<BF16>(x, base + i, ld<BF16>(x, base + i) + ld<BF16>(y, r * y_row + i));
+            add_row<BF16>(x, base, y, r * y_row, hidden);
         else if (y)
             for (int64_t i = 0; i < hidden; i++)
                 st<BF16>(x, base + i, ld<BF16>(x, base + i) + ld<BF16>(y, r * y_row + i * y_col));
-        float part[16] = {0};  // sixteen running sums, so the loop vectorises without reordering one sum
-        int64_t i = 0;
-        for (; i + 16 <= hidden; i += 16)
-            for (int l = 0; l < 16; l++) part[l] += ld<BF16>(x, base + i + l) * ld<BF16>(x, base + i + l);
-        float sum = 0.0f;
-        for (; i < hidden; i++) sum += ld<BF16>(x, base + i) * ld<BF16>(x, base + i);
-        for (int l = 0; l < 16; l++) sum += part[l];
-        float inv = 1.0f / std::sqrt(sum / float(hidden) + eps);
-        for (i = 0; i < hidden; i++) {
-            float n = ld<BF16>(x, base + i) * inv;
-            st<BF16>(out, base + i, ld<BF16>(w, i) * (BF16 ? bf16_widen(bf16_round(n)) : n));
-        }
+        float inv = 1.0f / std::sqrt(sum_squares<BF16>(x, base, hidden) / float(hidden) + eps);
+        scale_row<BF16>(x, base, w, out, inv, hidden);
     }
 }
 
