@@ -48,7 +48,7 @@ def precise(monkeypatch):
     return kv_index.Precise("stub", "tcp://{host}:1")
 
 
-def test_longest_prefix_then_load_then_room(precise):
+def test_longest_prefix_then_load_then_room(precise, monkeypatch):
     bal = Balancer("precise", precise=precise)
     bal.set_urls([A, B, C])
     rs = [Replica(A, ready=True), Replica(B, ready=True), Replica(C, ready=True)]
@@ -79,9 +79,11 @@ def test_longest_prefix_then_load_then_room(precise):
     rs[0].inflight = 0
     assert bal.choose(rs, new, set()).url == A
     rs[0].inflight = 1
-    # A 3 blocks, B 3 and 1 placed, C 3 and less load than A
+    # A 3 blocks and 5 placed (counted twice until the placement expires), B 3 and 1 placed, C 3
     assert bal.choose(rs, Prefix(None, [301]), set()).url == C
-    assert 101 not in precise.pending and 201 in precise.pending
+    monkeypatch.setattr(kv_index, "PENDING_S", 0.0)  # every placement expires at the next one
+    assert bal.choose(rs, Prefix(None, [401]), set()).url == B  # 3 blocks each, A busy: the first of B and C
+    assert list(precise.pending) == [401] and +precise.queued == {B: 1}
 
 
 def test_a_holder_keeps_its_prefix_until_its_queue_costs_more_than_a_miss(precise):

@@ -245,7 +245,8 @@ class Precise:
         self.index = PrefixIndex(max_blocks)
         self.tokens = Tokenized(model)
         self.subscriptions = Subscriptions(self.index, endpoint, replay_endpoint)
-        self.pending: dict[int, tuple[str, int, float]] = {}  # a new prefix's first block -> (replica, blocks, when)
+        self.pending: OrderedDict[int, tuple[str, int, float]] = OrderedDict()  # first block -> (replica, blocks, when)
+        self.queued: Counter[str] = Counter()  # blocks placed on each replica, pending
         self.work = 0.0  # blocks a routed request has had to prefill, a running mean (see note)
 
     def chain(self, messages: list[dict] | None, prompt) -> list[int] | None:
@@ -270,24 +271,23 @@ class Precise:
         return best
 
     def place(self, fits: list, chain: list[int]):
-        """A new prefix goes where the caches hold least (events, plus placements not in them yet), so tenants
-        spread by room rather than by hash, and a restarted replica fills first; its next requests follow it until
-        its blocks show in the events."""
-        now, holders = time.monotonic(), self.index.holders
-        self.pending = {h: p for h, p in self.pending.items()
-                        if now - p[2] < PENDING_S and p[0] not in holders.get(h, ())}
+        """A new prefix goes where the caches hold least (events, plus what was placed in the last PENDING_S), so
+        tenants spread by room rather than by hash, and a restarted replica fills first; its next requests follow
+        it while its blocks are not in the events yet. Placements expire oldest first: O(1) a request."""
+        now = time.monotonic()
+        while self.pending and (len(self.pending) >= MAX_PENDING
+                                or now - next(iter(self.pending.values()))[2] >= PENDING_S):
+            url, blocks, _ = self.pending.popitem(last=False)[1]
+            self.queued[url] -= blocks
         by_url = {r.url: r for r in fits}
-        placed = self.pending.get(chain[0])
-        if placed is not None and placed[0] in by_url:
-            best = by_url[placed[0]]
-        else:
-            queued = Counter()
-            for url, blocks, _ in self.pending.values():
-                queued[url] += blocks
-            best = min(fits, key=lambda r: (self.index.count[r.url] + queued[r.url], r.load()))
-            if len(self.pending) >= MAX_PENDING:
-                self.pending.pop(next(iter(self.pending)))
-            self.pending[chain[0]] = (best.url, len(chain), now)
+        placed = self.pending.pop(chain[0], None)
+        if placed is not None:
+            self.queued[placed[0]] -= placed[1]
+        best = by_url.get(placed[0]) if placed is not None else None
+        if best is None:
+            best = min(fits, key=lambda r: (self.index.count[r.url] + self.queued[r.url], r.load()))
+        self.pending[chain[0]] = (best.url, len(chain), now if placed is None else placed[2])
+        self.queued[best.url] += len(chain)
         self.note(len(chain))
         return best
 
