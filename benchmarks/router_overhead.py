@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class StandIn(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection of the stand-in: a GET answers 200 at once (/ready, /metrics); a POST
+    """One keep-alive HTTP/1.1 connection of the stand-in: a GET answers 200 at once; a POST
     (its body read whole) answers an SSE stream, chunked, its first event at once and the rest `gap` s apart. A raw
     protocol rather than an ASGI app under uvicorn: it costs about a quarter of the CPU per stream, which on shared
     cores is CPU the client and the router keep."""
@@ -49,8 +49,9 @@ class StandIn(asyncio.Protocol):
         if len(self.buf) < head_end + 4 + length:
             return
         self.buf = self.buf[head_end + 4 + length:]
-        if head.startswith(b"get "):
-            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        if head.startswith(b"get "):  # /ready, /health: "ok"; /metrics: no samples (the router keeps its own count)
+            body = b"" if head.startswith(b"get /metrics") else b"ok"
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
             return
         self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
                              b"\r\n\r\n" + self.chunk(self.CHUNK))
