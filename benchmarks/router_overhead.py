@@ -54,24 +54,19 @@ class StandIn(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
             return
         self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
-                             b"\r\n\r\n" + self.chunk(self.CHUNK))
-        self.send(self.events - 1)
+                             b"\r\n\r\n")
+        self.send(self.events)
 
     @staticmethod
     def chunk(body: bytes) -> bytes:
         return b"%x\r\n%s\r\n" % (len(body), body)
 
     def send(self, left: int) -> None:
+        """The next event now and the rest `gap` s apart; after the last, the end of the stream."""
         if left:
-            self.timer = asyncio.get_running_loop().call_later(self.gap, self.next, left)
-        else:
-            self.timer = asyncio.get_running_loop().call_later(self.gap, self.end)
-
-    def next(self, left: int) -> None:
-        self.transport.write(self.chunk(self.CHUNK))
-        self.send(left - 1)
-
-    def end(self) -> None:
+            self.transport.write(self.chunk(self.CHUNK))
+            self.timer = asyncio.get_running_loop().call_later(self.gap, self.send, left - 1)
+            return
         self.transport.write(self.chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         self.timer = None
         if self.buf:  # a request that came while this one streamed

@@ -20,6 +20,20 @@ inline uint16_t bf16_round(float f) {  // nearest even, as torch's conversion; N
     return uint16_t(u >> 16);
 }
 
+// Element i of an fp32 or bf16 buffer as fp32, and back (rounded as torch rounds).
+template <bool BF16>
+inline float ld(const void *p, int64_t i) {
+    return BF16 ? bf16_widen(static_cast<const uint16_t *>(p)[i]) : static_cast<const float *>(p)[i];
+}
+
+template <bool BF16>
+inline void st(void *p, int64_t i, float f) {
+    if constexpr (BF16)
+        static_cast<uint16_t *>(p)[i] = bf16_round(f);
+    else
+        static_cast<float *>(p)[i] = f;
+}
+
 #if defined(__AVX512F__)
 template <bool BF16>
 inline __m512 load16(const void *base, int64_t idx) {

@@ -103,9 +103,14 @@ def attention_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def prefill_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the prefill-attention kernel takes this layer's shapes (head size 64 or 128, a vector unit)."""
-    return (attention_usable(q, k_cache)
-            and load().paged_prefill(None, 0, 0, None, None, None, 0, None, 0, None, None, None, None, q.shape[1],
-                                     k_cache.shape[2], q.shape[2], k_cache.shape[1], 1.0, 0, 1) == 0)
+    return attention_usable(q, k_cache) and prefill_takes(q.shape[1], k_cache.shape[2], q.shape[2])
+
+
+@functools.cache
+def prefill_takes(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """The kernel's own answer (a call with no rows), asked once per shape rather than every step."""
+    return load().paged_prefill(None, 0, 0, None, None, None, 0, None, 0, None, None, None, None, heads, kv_heads,
+                                head_dim, 1, 1.0, 0, 1) == 0
 
 
 def attend(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

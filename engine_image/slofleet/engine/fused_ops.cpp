@@ -17,20 +17,6 @@ namespace {
 
 constexpr int64_t PARALLEL_ELEMS = 1 << 15;  // below this a pass costs less than waking the other threads
 
-
-template <bool BF16>
-inline float ld(const void *p, int64_t i) {
-    return BF16 ? bf16_widen(static_cast<const uint16_t *>(p)[i]) : static_cast<const float *>(p)[i];
-}
-
-template <bool BF16>
-inline void st(void *p, int64_t i, float f) {
-    if constexpr (BF16)
-        static_cast<uint16_t *>(p)[i] = bf16_round(f);
-    else
-        static_cast<float *>(p)[i] = f;
-}
-
 // x[base..] += y[y_at..] over a row (both contiguous), rounded to the dtype.
 template <bool BF16>
 void add_row(void *x, int64_t base, const void *y, int64_t y_at, int64_t hidden) {

@@ -36,11 +36,6 @@ struct Item {
     float pos[R];          // each row's position (a padded row repeats the last one)
 };
 
-template <bool BF16>
-inline float ld(const void *p, int64_t i) {
-    return BF16 ? bf16_widen(static_cast<const uint16_t *>(p)[i]) : static_cast<const float *>(p)[i];
-}
-
 // Keys [start, start + n) of K and V as fp32 rows; rows past n are zero, so a masked key adds 0 x 0 to the output.
 template <int D, bool BF16>
 void load_tile(const Item &it, int start, int n, float *kf, float *vf) {
