@@ -75,6 +75,34 @@ def test_synthesized_day_follows_the_diurnal_peak_and_the_requested_busiest_minu
     assert 3.2 < minutes.max() < 5.0
 
 
+def test_overlay_adds_load_at_real_time_and_keeps_the_bursts_length():
+    code = traces.load("code")
+    more = traces.overlay(code, 3.4, seed=5)
+    assert abs(len(more.arrival) / len(code.arrival) - 3.4) < 0.05
+    assert np.all(np.diff(more.arrival) >= 0) and 0 <= more.arrival[0] and more.arrival[-1] <= code.duration + 1e-6
+    assert more.duration > 0.99 * code.duration  # not compressed, unlike scale()
+    # the requests are the trace's own: each length pair occurs in it
+    pairs = set(zip(code.prompt.tolist(), code.output.tolist()))
+    assert set(zip(more.prompt.tolist(), more.output.tolist())) <= pairs
+    # the copies are shifted: the busiest second holds fewer than 3.4x the trace's own busiest second
+    per_second = lambda t: np.bincount(t.arrival.astype(int)).max()  # noqa: E731
+    assert per_second(more) < 3.4 * per_second(code)
+    again = traces.overlay(code, 3.4, seed=5)
+    assert np.array_equal(again.arrival, more.arrival)  # a seed replays the same requests
+    assert len(traces.overlay(code, 1.0, seed=5).arrival) == len(code.arrival)
+
+
+@pytest.mark.parametrize("replay, faster", [("overlay", False), ("speed", True)])
+def test_replay_mode_decides_whether_a_trace_is_compressed(replay, faster):
+    p = argparse.ArgumentParser()
+    simulate_cli.add_arguments(p)
+    args = p.parse_args(["--replay", replay, "--replay-replicas", "2"])
+    trace, _ = simulate_cli.scenario("code", simulate_cli.profiles.load("gpu"), args)
+    base = traces.load("code")
+    assert len(trace.arrival) > len(base.arrival) * 2 if not faster else len(trace.arrival) == len(base.arrival)
+    assert (trace.duration < base.duration / 2) == faster
+
+
 def test_simulate_prints_a_table_per_trace_and_draws_a_png(tmp_path, capsys):
     p = argparse.ArgumentParser()
     simulate_cli.add_arguments(p)

@@ -1,6 +1,6 @@
 """`slofleet simulate`: every policy on every trace through the fleet simulator; a table and a PNG.
 
-Real traces are replayed time-scaled so their mean load needs `--replay-replicas` replicas; synthesized
+Real traces are replayed at real time with time-shifted copies overlaid (or, `--replay speed`, time-scaled) so their mean load needs `--replay-replicas` replicas; synthesized
 days are scaled so their peak needs about `--peak-replicas`. Static peak is the smallest constant count
 that reaches the attainment target on the same trace (found by bisection).
 """
@@ -20,6 +20,7 @@ from .sim import Result, SimConfig, simulate
 
 POLICIES = ("slofleet", "static-peak", "hpa", "keda-queue", "thresholds", "oracle")
 TRACES = ("conversation", "code", "long", "conversation-day", "code-day")
+REPLAYS = ("overlay", "speed")
 # GPU (TTFT s, TPOT s) per trace kind: long prompts get a longer TTFT target. Other profiles get targets
 # scaled from their own speed (4x a lone mean request), as a CPU replica is orders of magnitude slower.
 GPU_SLOS = {"long": (2.0, 0.05), "*": (0.5, 0.05)}
@@ -47,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "with --llmservice 3/4 of its maxReplicas)")
     p.add_argument("--replay-replicas", type=float, help="real traces need about this many at mean (default 2; with "
                    "--llmservice half its maxReplicas)")
+    p.add_argument("--replay", choices=REPLAYS, default="overlay",
+                   help="how a real trace gets its load: overlay (real time, time-shifted copies added; default) or "
+                        "speed (the trace alone, played faster or slower)")
     p.add_argument("--hours", type=float, default=24.0, help="length of a synthesized day")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=2, help="processes running simulations")
@@ -63,12 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def scenario(name: str, prof: profiles.Profile, args: argparse.Namespace) -> tuple[traces.Trace, SLO]:
     return build(name, prof, args.ttft, args.tpot, args.target, args.peak_replicas, args.replay_replicas,
-                 args.hours, args.seed)
+                 args.hours, args.seed, args.replay)
 
 
 @functools.lru_cache(maxsize=4)  # a day takes seconds to synthesize; each worker reuses it across policies
 def build(name: str, prof: profiles.Profile, ttft_s: float | None, tpot_s: float | None, target: float,
-          peak_replicas: float, replay_replicas: float, hours: float, seed: int) -> tuple[traces.Trace, SLO]:
+          peak_replicas: float, replay_replicas: float, hours: float, seed: int,
+          replay: str = "overlay") -> tuple[traces.Trace, SLO]:
     kind = name.removesuffix("-day")
     base = traces.load(kind)
     p, o = float(base.prompt.mean()), float(base.output.mean())
@@ -81,7 +86,10 @@ def build(name: str, prof: profiles.Profile, ttft_s: float | None, tpot_s: float
     cap = prof.capacity(p, o, slo.tpot_s)
     if name.endswith("-day"):
         return traces.synth_day(base, peak_replicas * cap, hours, seed=seed), slo
-    return traces.scale(base, replay_replicas * cap / base.rate), slo
+    factor = replay_replicas * cap / base.rate
+    if replay == "overlay" and factor > 1:  # never faster than real time: more load is more users
+        return traces.overlay(base, factor, seed), slo
+    return traces.scale(base, factor), slo
 
 
 def resolve(policy: str) -> tuple[str, float | None]:

@@ -63,6 +63,26 @@ def scale(trace: Trace, speed: float) -> Trace:
     return Trace(trace.name, trace.arrival / speed, trace.prompt, trace.output, trace.bucket)
 
 
+def overlay(trace: Trace, factor: float, seed: int = 0) -> Trace:
+    """`factor` times the load at real time: the trace itself plus copies shifted by a random offset (wrapping
+    around its end), the last copy thinned to the fraction left. Unlike `scale`, a burst keeps its length, so
+    the scrape, decision and cold-start clocks meet the trace's own time scale, as a fleet serving many users of
+    the same kind of traffic would."""
+    rng = np.random.default_rng(seed)
+    span, whole = trace.duration, int(factor)
+    copies = whole + (factor - whole > 1e-9)
+    parts = []
+    for i in range(copies):
+        keep = np.ones(len(trace.arrival), bool) if i < whole else rng.random(len(trace.arrival)) < factor - whole
+        shift = rng.random() * span if i else 0.0
+        parts.append((np.fmod(trace.arrival[keep] + shift, span + 1e-9), np.flatnonzero(keep)))
+    t = np.concatenate([a for a, _ in parts])
+    pick = np.concatenate([k for _, k in parts])
+    order = np.argsort(t, kind="stable")
+    return Trace(trace.name, t[order], trace.prompt[pick[order]], trace.output[pick[order]],
+                 None if trace.bucket is None else trace.bucket[pick[order]])
+
+
 def diurnal(peak_to_mean: float, seconds: int, peak_hour: float = 14.0) -> np.ndarray:
     """A smooth daily curve with mean 1 and the given peak/mean: exp(k cos(...)), whose peak/mean is
     e^k / I0(k); k is found by bisection."""
