@@ -1,8 +1,9 @@
 """`slofleet simulate`: every policy on every trace through the fleet simulator; a table and a PNG.
 
-Real traces are replayed at real time with time-shifted copies overlaid (or, `--replay speed`, time-scaled) so their mean load needs `--replay-replicas` replicas; synthesized
-days are scaled so their peak needs about `--peak-replicas`. Static peak is the smallest constant count
-that reaches the attainment target on the same trace (found by bisection).
+Real traces are replayed at real time, time-shifted copies overlaid so their mean load needs `--replay-replicas`
+replicas (`--replay speed`: the trace alone, time-scaled to that load); synthesized days are scaled so their peak
+needs about `--peak-replicas`. Static peak is the smallest constant count that reaches the attainment target on the
+same trace (found by bisection).
 """
 from __future__ import annotations
 
