@@ -4,8 +4,9 @@ Workload: 16 chat prompts of 20-300 words through the chat template, 32 output t
 (EOS ignored). Every run, warm-up included, gets prompts of the same lengths that no earlier run has seen (only the
 chat template's system prompt repeats, which the prefix cache may keep). Each system runs it --runs times, in
 rounds of one run per system so the machine's drift moves every figure alike; each round also measures the GEMM
-rates at the workload's shapes (torch's in fp32 and bf16, and slofleet's own fp32 kernel where the CPU has it),
-from which the limit follows, at the fastest of them:
+rates at the workload's shapes (torch's in fp32 and bf16, and slofleet's own kernels where the CPU has them: fp32 on
+AVX-512 or AVX2, bf16 on AMX), from which the limit follows, at the fastest of them (the table also gives the fraction
+of the limit at torch's GEMMs alone, the issue's first definition):
 
     limit_s = prompt tokens x 2 x 106.2M FLOP / (fastest GEMM at 2048x576x1536 and 512x576x1536)
             + 16 x 31 x 2 x 134.5M FLOP / (fastest GEMM at 16x576x1536)
@@ -64,16 +65,23 @@ def chat_ids(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def gemm_rates() -> dict[str, dict[str, float]]:
-    """GFLOP/s per shape of torch's GEMM in each dtype and, where it is built, of slofleet's own fp32 GEMM kernel
+    """GFLOP/s per shape of torch's GEMM in each dtype and, where they are built, of slofleet's own GEMM kernels
     (the limit takes the fastest of them), at the thread count every system runs with."""
     from slofleet.engine import cpu_kernels
     from slofleet.engine.dtype_probe import gemm_gflops
     kinds = [("fp32", torch.float32, False), ("bf16", torch.bfloat16, False)]
     if cpu_kernels.panel_columns():
         kinds.append(("fp32 kernel", torch.float32, True))
+    if cpu_kernels.tiles():
+        kinds.append(("bf16 kernel", torch.bfloat16, True))
     return {shape: {name: gemm_gflops(rows, 576, 1536, dtype, seconds=0.2, kernel=kernel)
                     for name, dtype, kernel in kinds}
             for shape, rows in GEMM_SHAPES.items()}
+
+
+def torch_only(rates: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The rates of torch's own GEMMs: the limit as the issue first defined it, before the engine had kernels."""
+    return {shape: {kind: r for kind, r in by.items() if "kernel" not in kind} for shape, by in rates.items()}
 
 
 def prefill_seconds(rates: dict[str, dict[str, float]], prompt_tokens: int) -> float:
@@ -99,7 +107,7 @@ def read_gbps() -> float:
 def floor_seconds(rates: dict[str, dict[str, float]], prompt_tokens: int, gbps: float) -> float:
     """Prefill at the GEMM rate, then each decode step at least one read of the weights (see the docstring)."""
     decode = max(rates["decode 16"], key=rates["decode 16"].get)
-    weights = DECODE_FLOP / 2 * (2 if decode == "bf16" else 4)  # fp32 for torch's and the kernel's
+    weights = DECODE_FLOP / 2 * (2 if decode.startswith("bf16") else 4)
     step = max(N_PROMPTS * DECODE_FLOP / (rates["decode 16"][decode] * 1e9), weights / (gbps * 1e9))
     return prefill_seconds(rates, prompt_tokens) + (OUT_TOKENS - 1) * step
 
@@ -221,6 +229,7 @@ def main() -> int:
         fn(*workload(name))  # warm-up, not timed, on prompts of its own
     rates: dict[str, list[float]] = {name: [] for name, _ in table}
     fractions: dict[str, list[float]] = {name: [] for name, _ in table}
+    of_torch: dict[str, list[float]] = {name: [] for name, _ in table}
     gemm: list[dict[str, dict[str, float]]] = []
     for i in range(args.runs):
         gemm.append(gemm_rates())
@@ -231,6 +240,7 @@ def main() -> int:
             dt = time.perf_counter() - t0
             rates[name].append(n / dt)
             fractions[name].append(limit_seconds(gemm[-1], sum(map(len, ids))) / dt)
+            of_torch[name].append(limit_seconds(torch_only(gemm[-1]), sum(map(len, ids))) / dt)
             log(f"{name}: run {i + 1}/{args.runs}: {rates[name][-1]:.1f} tok/s, {fractions[name][-1]:.0%} of limit")
     print(versions())
     print("GEMM GFLOP/s (median of rounds):", "; ".join(
@@ -238,16 +248,20 @@ def main() -> int:
                                 for kind in gemm[0][shape]) for shape in GEMM_SHAPES))
     limit = statistics.median(N_PROMPTS * OUT_TOKENS / limit_seconds(g, sum(map(len, ids))) for g in gemm)
     print(f"FLOP limit of the workload: {limit:.1f} tok/s (at the last prompts' {sum(map(len, ids))} prompt tokens)")
+    torch_limit = statistics.median(N_PROMPTS * OUT_TOKENS / limit_seconds(torch_only(g), sum(map(len, ids)))
+                                    for g in gemm)
+    print(f"  with torch's GEMMs only (the engine's kernels left out): {torch_limit:.1f} tok/s")
     gbps = read_gbps()
     floor = statistics.median(N_PROMPTS * OUT_TOKENS / floor_seconds(g, sum(map(len, ids)), gbps) for g in gemm)
     print(f"memory floor: weights read once per decode step at {gbps:.1f} GB/s bound any engine to {floor:.1f} tok/s, "
           f"{floor / limit:.0%} of the FLOP limit")
     base = statistics.median(rates.get("transformers generate_batch(), fp32", [0])) or None
-    print(f"{'system':45s} {'tok/s (median)':>15s} {'x generate_batch':>17s} {'of limit':>9s}")
+    print(f"{'system':45s} {'tok/s (median)':>15s} {'x generate_batch':>17s} {'of limit':>9s} {'of torch limit':>15s}")
     for name, r in rates.items():
         rate = statistics.median(r)
         ratio = f"{rate / base:.2f}x" if base else "-"
-        print(f"{name:45s} {rate:15.1f} {ratio:>17s} {statistics.median(fractions[name]):9.0%}")
+        print(f"{name:45s} {rate:15.1f} {ratio:>17s} {statistics.median(fractions[name]):9.0%} "
+              f"{statistics.median(of_torch[name]):15.0%}")
     if args.speculative:
         names = [name for name in rates if "LLM() defaults" in name or "num_speculative_tokens" in name]
         for off, on in (names[:2], names[2:]):

@@ -1,6 +1,6 @@
 """The CPU kernels against the torch ops they replace: paged decode and prefill attention (paged_attention.cpp,
-prefill_attention.cpp), the fused residual add + RMSNorm and rotary embedding (fused_ops.cpp); and the fallback
-without a compiler."""
+prefill_attention.cpp), the fused residual add + RMSNorm and rotary embedding (fused_ops.cpp), the fp32 and bf16
+GEMMs (small_gemm.cpp, tile_gemm.cpp); and the fallback without a compiler."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -211,6 +211,52 @@ def test_only_what_the_gemm_kernel_takes_is_packed():
     assert cpu_kernels.pack(torch.zeros(c + 1, 8)) is None  # N off the panel width: torch's GEMM
     assert cpu_kernels.pack(torch.zeros(c, 8, dtype=torch.bfloat16)) is None
     assert cpu_kernels.pack(torch.zeros(2 * c, 8)).shape == (2, 8, c)
+
+
+def tile_cases():
+    """(rows, N, K): a lone decode, a decode step, one and two 16-row blocks and a tail, a prefill chunk past one
+    chunk of work items (256 rows); N and K at the model's sizes and at the kernel's smallest (32)."""
+    return [(1, 960, 576), (5, 32, 32), (16, 1536, 576), (17, 576, 1536), (32, 64, 96), (33, 96, 64),
+            (300, 128, 576), (16, 49152, 576)]
+
+
+@pytest.mark.parametrize("rows,n,k", tile_cases())
+def test_the_bf16_tile_kernel_matches_torch(rows, n, k):
+    if not cpu_kernels.tiles():
+        pytest.skip("no AMX-BF16 here: the tile kernel does not run and torch's bf16 GEMM does")
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w = torch.randn((n, k), generator=gen).bfloat16()
+    x = torch.randn((rows, 2 * k), generator=gen).bfloat16()[:, ::2]  # strided rows
+    packed = cpu_kernels.pack(w)
+    assert packed.shape == (n // 16, k // 2, 16, 2)
+    got = cpu_kernels.gemm(x, packed)
+    assert got.shape == (rows, n) and got.is_contiguous() and got.dtype == torch.bfloat16
+    # fp32 sums of bf16 products, rounded once: as far from the exact product as torch's own bf16 result is
+    exact = x.float() @ w.float().T
+    assert (got.float() - exact).abs().max() <= 2 * (torch.mm(x, w.T).float() - exact).abs().max() + 1e-3
+
+
+def test_only_what_the_tile_kernel_takes_is_packed():
+    if not cpu_kernels.tiles():
+        pytest.skip("no AMX-BF16 here")
+    bf16 = dict(dtype=torch.bfloat16)
+    assert cpu_kernels.pack(torch.zeros(48, 64, **bf16)) is None  # N off the 32-column pair of tiles
+    assert cpu_kernels.pack(torch.zeros(64, 48, **bf16)) is None  # K off the 32-element step
+    assert cpu_kernels.pack(torch.zeros(64, 64, dtype=torch.float16)) is None
+    with pytest.raises(ValueError):  # x in another dtype than the weight it meets
+        cpu_kernels.gemm(torch.zeros(2, 64), cpu_kernels.pack(torch.zeros(64, 64, **bf16)))
+
+
+def test_a_bf16_layer_with_tiles_answers_as_its_weight_did():
+    if not cpu_kernels.tiles():
+        pytest.skip("no AMX-BF16 here")
+    from slofleet.engine.model import dense
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 96, bias=True).bfloat16()
+    x = torch.randn(9, 64).bfloat16()
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias).float()
+    layer.panels = cpu_kernels.pack(layer.weight)
+    torch.testing.assert_close(dense(x, layer).float(), want, atol=0.05, rtol=0.02)
 
 
 def test_a_layer_with_panels_answers_as_its_weight_did():

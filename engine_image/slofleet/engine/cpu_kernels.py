@@ -1,5 +1,5 @@
-"""The engine's CPU kernels (paged_attention.cpp, prefill_attention.cpp, fused_ops.cpp, small_gemm.cpp): built once
-per machine, called with ctypes.
+"""The engine's CPU kernels (paged_attention.cpp, prefill_attention.cpp, fused_ops.cpp, small_gemm.cpp, tile_gemm.cpp):
+built once per machine, called with ctypes.
 
 They are plain C++, not a torch extension, so building takes seconds with the system's compiler and needs no torch
 headers or ninja; the shared object is cached under `$SLOFLEET_CACHE/kernels`, keyed by the sources and the CPU,
@@ -26,7 +26,8 @@ from .loader import cache_root
 
 log = logging.getLogger("slofleet.engine.kernel")
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "small_gemm.cpp")]
+SOURCES = [HERE / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "small_gemm.cpp",
+                                    "tile_gemm.cpp")]
 HEADERS = [HERE / "cpu_kernels.h"]
 # No contraction of a * b + c into one FMA: the torch ops these replace round the product first.
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC",
@@ -46,7 +47,11 @@ SIGNATURES = {
     "silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i32],
     "small_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32],
     "gemm_panel_columns": [],
+    "tile_enable": [],
+    "tile_pack": [_ptr, _i64, _i64, _ptr],
+    "tile_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32],
 }
+TILE = 32  # the bf16 tile kernel takes N and K in multiples of this
 
 
 def build(out: Path, flags: list[str] = FLAGS) -> None:
@@ -176,24 +181,45 @@ def panel_columns() -> int:
     return 0 if load() is None else load().gemm_panel_columns()
 
 
+@functools.cache
+def tiles() -> bool:
+    """Whether the bf16 tile kernel runs here: a CPU with AMX-BF16 and a kernel that let this process use it."""
+    return load() is not None and load().tile_enable() == 0
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """An fp32 CPU weight W [N, K] as the GEMM kernel reads it, [N / C, K, C] panels of W.T; None where the kernel
-    does not take it (another dtype or device, no kernel, N not a multiple of C)."""
-    c = panel_columns()
-    if (not c or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
-            or weight.shape[0] % c):
+    """A CPU weight W [N, K] as a GEMM kernel reads it: fp32 as [N / C, K, C] panels of W.T (small_gemm.cpp), bf16
+    as [N / 16, K / 2, 16, 2] tiles of pairs (tile_gemm.cpp, on AMX). None where no kernel takes it (another dtype
+    or device, no kernel for this CPU, N or K off the kernel's multiple): torch's GEMM runs."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     n, k = weight.shape
+    if weight.dtype == torch.bfloat16:
+        if not tiles() or n % TILE or k % TILE:
+            return None
+        w = weight.detach().contiguous()
+        out = torch.empty((n // 16, k // 2, 16, 2), dtype=torch.bfloat16)
+        load().tile_pack(w.data_ptr(), n, k, out.data_ptr())
+        return out
+    c = panel_columns()
+    if not c or weight.dtype != torch.float32 or n % c:
+        return None
     return weight.detach().reshape(n // c, c, k).transpose(1, 2).contiguous()
 
 
 def gemm(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (fp32) @ W.T from W's panels (`pack`), into a new contiguous [M, N]."""
-    if x.shape[-1] != panels.shape[1] or x.dim() != 2:
-        raise ValueError(f"x {list(x.shape)} does not fit panels {list(panels.shape)}")
+    """x [M, K] @ W.T from W's packed form (`pack`, the same dtype as x), into a new contiguous [M, N]."""
+    bf16 = panels.dtype == torch.bfloat16
+    k, n = (panels.shape[1] * 2, panels.shape[0] * 16) if bf16 else (panels.shape[1], panels.shape[0] * panels.shape[2])
+    if x.shape[-1] != k or x.dim() != 2 or x.dtype != panels.dtype:
+        raise ValueError(f"x {list(x.shape)} {x.dtype} does not fit panels {list(panels.shape)} {panels.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty((x.shape[0], panels.shape[0] * panels.shape[2]), dtype=x.dtype)
-    load().small_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], y.shape[1],
-                      panels.shape[1], torch.get_num_threads())
+    y = torch.empty((x.shape[0], n), dtype=x.dtype)
+    if bf16:
+        load().tile_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), n, x.shape[0], n, k,
+                         torch.get_num_threads())
+    else:
+        load().small_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], n, k,
+                          torch.get_num_threads())
     return y

@@ -59,7 +59,7 @@ def cpu_model() -> str:
 def gemm_gflops(rows: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.05, kernel: bool = False,
                 min_reps: int = 3) -> float:
     """GFLOP/s of [rows, k] @ [k, n]: torch's mm, or with `kernel` the product the engine runs in this dtype (the
-    CPU's own fp32 GEMM where it is built, see cpu_kernels.pack; else torch's)."""
+    CPU's own GEMM kernel where one takes it, see cpu_kernels.pack; else torch's)."""
     a, b = torch.randn(rows, k).to(dtype), torch.randn(k, n).to(dtype)
     panels = cpu_kernels.pack(b.T.contiguous()) if kernel else None
     mm = torch.mm if panels is None else (lambda x, _: cpu_kernels.gemm(x, panels))
@@ -107,7 +107,9 @@ def choose(name: str, device: torch.device, hidden: int, intermediate: int) -> D
         return DtypeChoice(dtype=name, reason="flag", gflops={})
     if device.type == "cuda":
         return DtypeChoice(dtype="bfloat16", reason="gpu", gflops={})
-    gemm = "fp32 kernel" if cpu_kernels.panel_columns() else "torch"  # a probe of torch's fp32 answers nothing here
+    # a probe of torch's GEMM answers nothing about the kernels the engine runs instead
+    gemm = "+".join(k for k, on in (("fp32 kernel", cpu_kernels.panel_columns()), ("bf16 tiles", cpu_kernels.tiles()))
+                    if on) or "torch"
     key = f"{cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{hidden}x{intermediate}|{gemm}"
     path = cache_file()
     try:

@@ -183,9 +183,9 @@ class CausalLM(nn.Module):
         return logits.to(torch.float32, memory_format=torch.contiguous_format)  # one copy, not .float().contiguous()
 
     def pack(self) -> None:
-        """Where the CPU's GEMM kernel takes a projection (fp32), keep its weight only as the kernel's panels (the
-        first layout is freed, so no more memory), used at every step size. A tied LM head's panels are a copy: the
-        embedding keeps its weight for the lookups."""
+        """Where a CPU GEMM kernel takes a projection (fp32 on AVX-512 or AVX2, bf16 on AMX), keep its weight only in
+        the kernel's packed form (the first layout is freed, so no more memory), used at every step size. A tied LM
+        head's packed form is a copy: the embedding keeps its weight for the lookups."""
         for m in self.modules():
             if isinstance(m, nn.Linear) and (panels := cpu_kernels.pack(m.weight)) is not None:
                 m.panels = panels

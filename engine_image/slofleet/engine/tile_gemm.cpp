@@ -1,0 +1,133 @@
+// y = x @ W.T in bf16 on the CPU's AMX tiles, from W packed once at load (cpu_kernels.py builds and calls this).
+//
+// A decode step multiplies a few rows by every weight once, so it runs at the speed the weights stream from memory.
+// torch's bf16 product (oneDNN) streamed them at about half the bandwidth on the Sapphire Rapids it was measured on;
+// here a 16-row tile of x meets 16-column tiles of W.T held in the layout the tile unit reads (pairs of k side by
+// side, "VNNI"), one sequential 1 KiB load per tile, and the sums stay in fp32 tiles over all of K.
+// W is packed as [N / 16, K / 2, 16, 2]: panel p holds columns 16p..16p+15, row kk of a panel holds k = 2kk, 2kk+1
+// of each column. A work item is two panels (32 columns) by two 16-row blocks of x: four accumulator tiles, two of x,
+// two of W (the eight tile registers). Layouts: x [M, K] bf16 with rows x_row apart; y [M, N] bf16 with rows y_row
+// apart; N a multiple of 32 and K of 32 (tile_pack checks).
+#include <cstdint>
+
+#include "cpu_kernels.h"
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+using namespace slofleet;
+
+namespace {
+
+constexpr int ROWS = 16, COLS = 16, KSTEP = 32;  // a tile: 16 rows of 64 bytes (16 fp32, or 32 bf16 = 16 pairs)
+constexpr int64_t CHUNK = 8;  // work items of 32 rows per chunk: 256 rows of x, 288 KiB at K = 576
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: sums (rows of block r, columns of panel c: tile 2r + c); 4, 5: x's two row blocks; 6, 7: W's panels.
+void configure(int rows0, int rows1) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = uint8_t(rows0);
+    cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = uint8_t(rows1 ? rows1 : 1);
+    cfg.rows[6] = cfg.rows[7] = KSTEP / 2;
+    _tile_loadconfig(&cfg);
+}
+
+void store(const float (&sums)[ROWS][COLS], int rows, uint16_t *y, int64_t y_row) {
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < COLS; j++) y[m * y_row + j] = bf16_round(sums[m][j]);
+}
+
+// One work item: rows [m0, m0 + rows0 + rows1) of x by the panels 2q and 2q + 1; rows1 may be 0 (one block).
+template <bool TWO>
+void item(const uint16_t *x, int64_t x_row, const uint16_t *w0, const uint16_t *w1, int64_t k_len, int rows0,
+          int rows1, uint16_t *y, int64_t y_row) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (TWO) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t k = 0; k < k_len; k += KSTEP) {
+        _tile_loadd(6, w0 + k * COLS, 64);  // KSTEP / 2 rows of 16 pairs: k * COLS elements in
+        _tile_loadd(7, w1 + k * COLS, 64);
+        _tile_loadd(4, x + k, x_row * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if constexpr (TWO) {
+            _tile_loadd(5, x + ROWS * x_row + k, x_row * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    alignas(64) float sums[ROWS][COLS];
+    _tile_stored(0, sums, 64);
+    store(sums, rows0, y, y_row);
+    _tile_stored(1, sums, 64);
+    store(sums, rows0, y + COLS, y_row);
+    if constexpr (TWO) {
+        _tile_stored(2, sums, 64);
+        store(sums, rows1, y + ROWS * y_row, y_row);
+        _tile_stored(3, sums, 64);
+        store(sums, rows1, y + ROWS * y_row + COLS, y_row);
+    }
+}
+
+}  // namespace
+
+// 0 when this process may use the tile registers (Linux asks each process to request them), else -1.
+extern "C" int tile_enable() {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+}
+
+extern "C" void tile_pack(const uint16_t *w, int64_t n_len, int64_t k_len, uint16_t *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < n_len / COLS; p++)
+        for (int64_t kk = 0; kk < k_len / 2; kk++)
+            for (int j = 0; j < COLS; j++)
+                for (int e = 0; e < 2; e++)
+                    out[((p * (k_len / 2) + kk) * COLS + j) * 2 + e] = w[(p * COLS + j) * k_len + 2 * kk + e];
+}
+
+// Returns 0; -1 when N or K is not a multiple of 32.
+extern "C" int tile_gemm(const uint16_t *x, int64_t x_row, const uint16_t *wp, uint16_t *y, int64_t y_row,
+                         int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
+    if (n_len % (2 * COLS) || k_len % KSTEP) return -1;
+    int64_t pairs = n_len / (2 * COLS), blocks = (m_len + 2 * ROWS - 1) / (2 * ROWS), panel = k_len * COLS;
+    int tail = int(m_len - (blocks - 1) * 2 * ROWS);  // rows in the last item's blocks: 1 .. 32
+#pragma omp parallel num_threads(threads)
+    {
+        int configured = -1;  // the tail's shape needs its own configuration
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < pairs * blocks; it++) {
+            // rows go in chunks of CHUNK blocks, each over every panel, so a long prompt's x stays in L2
+            int64_t chunk = it / (pairs * CHUNK), in_chunk = it % (pairs * CHUNK);
+            int64_t width = blocks - chunk * CHUNK < CHUNK ? blocks - chunk * CHUNK : CHUNK;
+            int64_t q = in_chunk / width, b = chunk * CHUNK + in_chunk % width;
+            int rows = b == blocks - 1 ? tail : 2 * ROWS, rows0 = rows < ROWS ? rows : ROWS, rows1 = rows - rows0;
+            if (configured != rows) configure(rows0, rows1), configured = rows;
+            const uint16_t *w0 = wp + 2 * q * panel, *xb = x + b * 2 * ROWS * x_row;
+            uint16_t *yb = y + b * 2 * ROWS * y_row + q * 2 * COLS;
+            if (rows1) item<true>(xb, x_row, w0, w0 + panel, k_len, rows0, rows1, yb, y_row);
+            else item<false>(xb, x_row, w0, w0 + panel, k_len, rows0, 0, yb, y_row);
+        }
+        if (configured != -1) _tile_release();
+    }
+    return 0;
+}
+#else
+extern "C" int tile_enable() { return -1; }
+extern "C" void tile_pack(const uint16_t *, int64_t, int64_t, uint16_t *) {}
+extern "C" int tile_gemm(const uint16_t *, int64_t, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t,
+                         int) {
+    return -1;
+}
+#endif
