@@ -236,6 +236,25 @@ def test_the_bf16_tile_kernel_matches_torch(rows, n, k):
     assert (got.float() - exact).abs().max() <= 2 * (torch.mm(x, w.T).float() - exact).abs().max() + 1e-3
 
 
+@pytest.mark.parametrize("rows", [1, 16, 40, 300])
+def test_the_swiglu_epilogue_equals_the_product_then_silu_mul(rows):
+    """Paired gate/up tiles end in silu(gate) * up: the same bits as the whole product then the SiLU kernel."""
+    if not cpu_kernels.tiles():
+        pytest.skip("no AMX-BF16 here")
+    gen = torch.Generator().manual_seed(rows)
+    inter, k = 96, 64
+    w = torch.randn((2 * inter, k), generator=gen).bfloat16()
+    x = torch.randn((rows, k), generator=gen).bfloat16()
+    fused = cpu_kernels.gemm(x, cpu_kernels.pack(w, paired=True), silu=True)
+    product = cpu_kernels.gemm(x, cpu_kernels.pack(w))
+    gate, up = product.chunk(2, dim=-1)
+    assert fused.shape == (rows, inter)
+    assert torch.equal(fused, torch.nn.functional.silu(gate).mul_(up))
+    with pytest.raises(ValueError):  # the fp32 kernel has no such epilogue
+        cpu_kernels.gemm(torch.zeros(2, 64), cpu_kernels.pack(torch.zeros(64, 64)) if cpu_kernels.panel_columns()
+                         else torch.zeros(2, 64, 32), silu=True)
+
+
 def test_only_what_the_tile_kernel_takes_is_packed():
     if not cpu_kernels.tiles():
         pytest.skip("no AMX-BF16 here")

@@ -67,6 +67,17 @@ inline __m512 keep_bf16(__m512 f) {
     return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xffff0000u))));
 }
 
+// silu(g) * u of bf16 values held as fp32, each op rounded to bf16 as torch's silu and mul_ round them.
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+    __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    return keep_bf16(_mm512_mul_ps(keep_bf16(s), u));
+}
+
+// 16 fp32 lanes already rounded to bf16 (keep_bf16), stored as 16 bf16 where the mask says.
+inline void store_bf16(uint16_t *p, __m512 rounded, __mmask16 keep = 0xffff) {
+    _mm256_mask_storeu_epi16(p, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
+
 struct V512 {
     using T = __m512;
     static constexpr int N = 16;
@@ -92,8 +103,7 @@ struct V512 {
     template <bool BF16>
     static void store(void *base, int64_t idx, T v) {  // bf16: rounded to nearest even, as torch stores it
         if constexpr (BF16)
-            _mm256_storeu_si256(reinterpret_cast<__m256i *>(static_cast<uint16_t *>(base) + idx),
-                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(keep_bf16(v)), 16)));
+            store_bf16(static_cast<uint16_t *>(base) + idx, keep_bf16(v));
         else
             _mm512_storeu_ps(static_cast<float *>(base) + idx, v);
     }

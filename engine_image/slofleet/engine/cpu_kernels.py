@@ -48,8 +48,8 @@ SIGNATURES = {
     "small_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32],
     "gemm_panel_columns": [],
     "tile_enable": [],
-    "tile_pack": [_ptr, _i64, _i64, _ptr],
-    "tile_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32],
+    "tile_pack": [_ptr, _i64, _i64, _i32, _ptr],
+    "tile_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32],
 }
 TILE = 32  # the bf16 tile kernel takes N and K in multiples of this
 
@@ -187,10 +187,11 @@ def tiles() -> bool:
     return load() is not None and load().tile_enable() == 0
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
+def pack(weight: torch.Tensor, paired: bool = False) -> torch.Tensor | None:
     """A CPU weight W [N, K] as a GEMM kernel reads it: fp32 as [N / C, K, C] panels of W.T (small_gemm.cpp), bf16
     as [N / 16, K / 2, 16, 2] tiles of pairs (tile_gemm.cpp, on AMX). None where no kernel takes it (another dtype
-    or device, no kernel for this CPU, N or K off the kernel's multiple): torch's GEMM runs."""
+    or device, no kernel for this CPU, N or K off the kernel's multiple): torch's GEMM runs. `paired`: W is a
+    SwiGLU's [gate; up]; bf16 tiles then pair each gate column with its up column, for gemm(..., silu=True)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     n, k = weight.shape
@@ -199,7 +200,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
             return None
         w = weight.detach().contiguous()
         out = torch.empty((n // 16, k // 2, 16, 2), dtype=torch.bfloat16)
-        load().tile_pack(w.data_ptr(), n, k, out.data_ptr())
+        load().tile_pack(w.data_ptr(), n, k, int(paired), out.data_ptr())
         return out
     c = panel_columns()
     if not c or weight.dtype != torch.float32 or n % c:
@@ -207,18 +208,20 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return weight.detach().reshape(n // c, c, k).transpose(1, 2).contiguous()
 
 
-def gemm(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ W.T from W's packed form (`pack`, the same dtype as x), into a new contiguous [M, N]."""
+def gemm(x: torch.Tensor, panels: torch.Tensor, silu: bool = False) -> torch.Tensor:
+    """x [M, K] @ W.T from W's packed form (`pack`, the same dtype as x), into a new contiguous [M, N]; with `silu`
+    (bf16 tiles packed paired), silu(gate) * up [M, N / 2] instead, rounded as torch's ops round it."""
     bf16 = panels.dtype == torch.bfloat16
     k, n = (panels.shape[1] * 2, panels.shape[0] * 16) if bf16 else (panels.shape[1], panels.shape[0] * panels.shape[2])
-    if x.shape[-1] != k or x.dim() != 2 or x.dtype != panels.dtype:
-        raise ValueError(f"x {list(x.shape)} {x.dtype} does not fit panels {list(panels.shape)} {panels.dtype}")
+    if x.shape[-1] != k or x.dim() != 2 or x.dtype != panels.dtype or (silu and not bf16):
+        raise ValueError(f"x {list(x.shape)} {x.dtype} does not fit panels {list(panels.shape)} {panels.dtype}"
+                         f"{' with silu' if silu else ''}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty((x.shape[0], n), dtype=x.dtype)
+    y = torch.empty((x.shape[0], n // 2 if silu else n), dtype=x.dtype)
     if bf16:
-        load().tile_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), n, x.shape[0], n, k,
-                         torch.get_num_threads())
+        load().tile_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), y.shape[1], x.shape[0], n, k,
+                         int(silu), torch.get_num_threads())
     else:
         load().small_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], n, k,
                           torch.get_num_threads())

@@ -117,9 +117,7 @@ void silu_rows(const uint16_t *gate_up, int64_t g_row, uint16_t *out, int64_t ro
                     gt[j] = ld<true>(gate_up, r * g_row + i + j), ut[j] = ld<true>(gate_up, r * g_row + inter + i + j);
                 g = _mm512_load_ps(gt), u = _mm512_load_ps(ut);
             }
-            __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            __m512i y = _mm512_castps_si512(keep_bf16(_mm512_mul_ps(keep_bf16(s), u)));
-            _mm256_mask_storeu_epi16(out + r * inter + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(y, 16)));
+            store_bf16(out + r * inter + i, silu_mul16(g, u), m);
         }
 }
 #endif

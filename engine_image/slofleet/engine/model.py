@@ -74,6 +74,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return xf.roll(xf.shape[-1] // 2, -1).mul_(sin).add_(xf * cos).to(x.dtype)
 
 
+def swiglu(x: torch.Tensor, gate_up: nn.Linear) -> torch.Tensor:
+    """silu(gate) * up of the fused gate/up projection of x: in the GEMM's last step where its tiles pair the two
+    halves (CausalLM.pack), so the [rows, 2 x inter] product is never written; else the product, then silu_mul."""
+    if gate_up.paired:
+        return cpu_kernels.gemm(x, gate_up.panels, silu=True)
+    return silu_mul(dense(x, gate_up))
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of the fused projection; the AVX-512 kernel, where it applies, rounds as torch's ops do."""
     if cpu_kernels.silu_usable(gate_up):
@@ -147,8 +155,8 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
         v = qkv[:, nq + self.n_kv * hd:].reshape(-1, self.n_kv, hd)
         o = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        gate_up = dense(self.post_attention_layernorm(x, dense(o.reshape(-1, nq), self.o_proj)), self.gate_up_proj)
-        return x, dense(silu_mul(gate_up), self.down_proj)
+        h = self.post_attention_layernorm(x, dense(o.reshape(-1, nq), self.o_proj))
+        return x, dense(swiglu(h, self.gate_up_proj), self.down_proj)
 
 
 class CausalLM(nn.Module):
@@ -164,7 +172,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         for m in self.modules():  # dense() asks each step; a missing attribute costs nn.Module's slow lookup
             if isinstance(m, nn.Linear):
-                m.panels = None
+                m.panels, m.paired = None, False
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, self.layers[0].head_dim, max_len)
@@ -184,11 +192,14 @@ class CausalLM(nn.Module):
 
     def pack(self) -> None:
         """Where a CPU GEMM kernel takes a projection (fp32 on AVX-512 or AVX2, bf16 on AMX), keep its weight only in
-        the kernel's packed form (the first layout is freed, so no more memory), used at every step size. A tied LM
-        head's packed form is a copy: the embedding keeps its weight for the lookups."""
+        the kernel's packed form (the first layout is freed, so no more memory), used at every step size; bf16 gate/up
+        tiles are paired, so the MLP's activation runs in their GEMM (swiglu). A tied LM head's packed form is a copy:
+        the embedding keeps its weight for the lookups."""
+        gate_ups = {id(layer.gate_up_proj) for layer in self.layers}
         for m in self.modules():
-            if isinstance(m, nn.Linear) and (panels := cpu_kernels.pack(m.weight)) is not None:
-                m.panels = panels
+            paired = id(m) in gate_ups and m.bias is None  # a bias would have to be added before the activation
+            if isinstance(m, nn.Linear) and (panels := cpu_kernels.pack(m.weight, paired)) is not None:
+                m.panels, m.paired = panels, paired and panels.dtype == torch.bfloat16
                 if m.weight is not self.embed_tokens.weight:
                     m.weight = nn.Parameter(torch.empty(0, m.in_features), requires_grad=False)
 

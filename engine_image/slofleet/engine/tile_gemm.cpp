@@ -7,12 +7,13 @@
 // W is packed as [N / 16, K / 2, 16, 2]: panel p holds columns 16p..16p+15, row kk of a panel holds k = 2kk, 2kk+1
 // of each column. A work item is two panels (32 columns) by two 16-row blocks of x: four accumulator tiles, two of x,
 // two of W (the eight tile registers). Layouts: x [M, K] bf16 with rows x_row apart; y [M, N] bf16 with rows y_row
-// apart; N a multiple of 32 and K of 32 (tile_pack checks).
+// apart; N a multiple of 32 and K of 32 (cpu_kernels.pack checks). A SwiGLU's gate/up product can end in its
+// activation (store_silu), so its [M, 2I] result never reaches memory.
 #include <cstdint>
 
 #include "cpu_kernels.h"
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -41,12 +42,18 @@ void configure(int rows0, int rows1) {
 }
 
 void store(const float (&sums)[ROWS][COLS], int rows, uint16_t *y, int64_t y_row) {
+    for (int m = 0; m < rows; m++) store_bf16(y + m * y_row, keep_bf16(_mm512_load_ps(sums[m])));
+}
+
+// The SwiGLU epilogue: the two panels are 16 columns of gate and the same 16 of up (tile_pack's paired order); each
+// rounded to bf16 as the product would be, then silu(gate) * up as torch's two ops round it.
+void store_silu(const float (&g)[ROWS][COLS], const float (&u)[ROWS][COLS], int rows, uint16_t *y, int64_t y_row) {
     for (int m = 0; m < rows; m++)
-        for (int j = 0; j < COLS; j++) y[m * y_row + j] = bf16_round(sums[m][j]);
+        store_bf16(y + m * y_row, silu_mul16(keep_bf16(_mm512_load_ps(g[m])), keep_bf16(_mm512_load_ps(u[m]))));
 }
 
 // One work item: rows [m0, m0 + rows0 + rows1) of x by the panels 2q and 2q + 1; rows1 may be 0 (one block).
-template <bool TWO>
+template <bool TWO, bool SILU>
 void item(const uint16_t *x, int64_t x_row, const uint16_t *w0, const uint16_t *w1, int64_t k_len, int rows0,
           int rows1, uint16_t *y, int64_t y_row) {
     _tile_zero(0);
@@ -66,6 +73,18 @@ void item(const uint16_t *x, int64_t x_row, const uint16_t *w0, const uint16_t *
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+    }
+    if constexpr (SILU) {  // tile numbers are part of the instruction: literals only
+        alignas(64) float g[ROWS][COLS], u[ROWS][COLS];
+        _tile_stored(0, g, 64);
+        _tile_stored(1, u, 64);
+        store_silu(g, u, rows0, y, y_row);
+        if constexpr (TWO) {
+            _tile_stored(2, g, 64);
+            _tile_stored(3, u, 64);
+            store_silu(g, u, rows1, y + ROWS * y_row, y_row);
+        }
+        return;
     }
     alignas(64) float sums[ROWS][COLS];
     _tile_stored(0, sums, 64);
@@ -88,18 +107,24 @@ extern "C" int tile_enable() {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
 }
 
-extern "C" void tile_pack(const uint16_t *w, int64_t n_len, int64_t k_len, uint16_t *out) {
+// W [N, K] into [N / 16, K / 2, 16, 2]. Paired (a SwiGLU's [gate; up]): panel 2q holds gate's columns 16q.. and
+// panel 2q + 1 up's same columns, so one work item has both halves of 16 outputs.
+extern "C" void tile_pack(const uint16_t *w, int64_t n_len, int64_t k_len, int paired, uint16_t *out) {
+    int64_t half = n_len / 2;
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < n_len / COLS; p++)
+    for (int64_t p = 0; p < n_len / COLS; p++) {
+        int64_t first = paired ? (p % 2) * half + (p / 2) * COLS : p * COLS;  // W's row behind the panel's column 0
         for (int64_t kk = 0; kk < k_len / 2; kk++)
             for (int j = 0; j < COLS; j++)
                 for (int e = 0; e < 2; e++)
-                    out[((p * (k_len / 2) + kk) * COLS + j) * 2 + e] = w[(p * COLS + j) * k_len + 2 * kk + e];
+                    out[((p * (k_len / 2) + kk) * COLS + j) * 2 + e] = w[(first + j) * k_len + 2 * kk + e];
+    }
 }
 
-// Returns 0; -1 when N or K is not a multiple of 32.
+// Returns 0; -1 when N or K is not a multiple of 32. With silu, W is a SwiGLU's [gate; up] packed in paired order
+// and y [M, N / 2] = silu(gate) * up.
 extern "C" int tile_gemm(const uint16_t *x, int64_t x_row, const uint16_t *wp, uint16_t *y, int64_t y_row,
-                         int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
+                         int64_t m_len, int64_t n_len, int64_t k_len, int silu, int threads) {
     if (n_len % (2 * COLS) || k_len % KSTEP) return -1;
     int64_t pairs = n_len / (2 * COLS), blocks = (m_len + 2 * ROWS - 1) / (2 * ROWS), panel = k_len * COLS;
     int tail = int(m_len - (blocks - 1) * 2 * ROWS);  // rows in the last item's blocks: 1 .. 32
@@ -115,9 +140,9 @@ extern "C" int tile_gemm(const uint16_t *x, int64_t x_row, const uint16_t *wp, u
             int rows = b == blocks - 1 ? tail : 2 * ROWS, rows0 = rows < ROWS ? rows : ROWS, rows1 = rows - rows0;
             if (configured != rows) configure(rows0, rows1), configured = rows;
             const uint16_t *w0 = wp + 2 * q * panel, *xb = x + b * 2 * ROWS * x_row;
-            uint16_t *yb = y + b * 2 * ROWS * y_row + q * 2 * COLS;
-            if (rows1) item<true>(xb, x_row, w0, w0 + panel, k_len, rows0, rows1, yb, y_row);
-            else item<false>(xb, x_row, w0, w0 + panel, k_len, rows0, 0, yb, y_row);
+            uint16_t *yb = y + b * 2 * ROWS * y_row + q * (silu ? COLS : 2 * COLS);
+            auto run = rows1 ? (silu ? item<true, true> : item<true, false>) : (silu ? item<false, true> : item<false, false>);
+            run(xb, x_row, w0, w0 + panel, k_len, rows0, rows1, yb, y_row);
         }
         if (configured != -1) _tile_release();
     }
@@ -125,9 +150,9 @@ extern "C" int tile_gemm(const uint16_t *x, int64_t x_row, const uint16_t *wp, u
 }
 #else
 extern "C" int tile_enable() { return -1; }
-extern "C" void tile_pack(const uint16_t *, int64_t, int64_t, uint16_t *) {}
+extern "C" void tile_pack(const uint16_t *, int64_t, int64_t, int, uint16_t *) {}
 extern "C" int tile_gemm(const uint16_t *, int64_t, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t,
-                         int) {
+                         int, int) {
     return -1;
 }
 #endif
