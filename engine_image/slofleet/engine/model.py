@@ -201,7 +201,7 @@ class CausalLM(nn.Module):
             if isinstance(m, nn.Linear) and (panels := cpu_kernels.pack(m.weight, paired)) is not None:
                 m.panels, m.paired = panels, paired and panels.dtype == torch.bfloat16
                 if m.weight is not self.embed_tokens.weight:
-                    m.weight = nn.Parameter(torch.empty(0, m.in_features), requires_grad=False)
+                    m.weight = nn.Parameter(m.weight.new_empty(0, m.in_features), requires_grad=False)
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Fill the fused parameters from Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...)."""
