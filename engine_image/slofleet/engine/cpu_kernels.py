@@ -220,9 +220,11 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, silu: bool = False) -> torch.Ten
         x = x.contiguous()
     y = torch.empty((x.shape[0], n // 2 if silu else n), dtype=x.dtype)
     if bf16:
-        load().tile_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), y.shape[1], x.shape[0], n, k,
-                         int(silu), torch.get_num_threads())
+        done = load().tile_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), y.shape[1], x.shape[0], n,
+                                k, int(silu), torch.get_num_threads())
     else:
-        load().small_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], n, k,
-                          torch.get_num_threads())
+        done = load().small_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], n, k,
+                                 torch.get_num_threads())
+    if done != 0:  # panels not made by pack(): y would be left unwritten
+        raise ValueError(f"panels {list(panels.shape)} {panels.dtype} are not a shape the kernel takes")
     return y

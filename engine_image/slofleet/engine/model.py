@@ -90,10 +90,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate).mul_(up)
 
 
-# Rows up to which x @ W.T runs as W @ x.T on the CPU. For the few rows of a decode step, MKL's sgemm runs W @ x.T
-# about twice as fast as x @ W.T (it streams the weight once instead of re-reading it per row block) up to ~32 rows;
-# oneDNN's bf16 kernels (AMX here) keep that lead up to 256 rows: at this model's shapes, 30 layers took 16.3 ms
-# against 24.9 at 64 rows, 32.0 against 45.2 at 256, and lost at 512 (69.6 against 59.6).
+# Rows up to which x @ W.T runs as W @ x.T on the CPU, where no kernel of ours holds the weight (CausalLM.pack). For
+# the few rows of a decode step, MKL's sgemm runs W @ x.T about twice as fast as x @ W.T (it streams the weight once
+# instead of re-reading it per row block) up to ~32 rows; oneDNN's bf16 kernels keep that lead up to 256 rows: at this
+# model's shapes on an AMX Xeon (measured before the tile kernel took bf16 there), 30 layers took 16.3 ms against 24.9
+# at 64 rows, 32.0 against 45.2 at 256, and lost at 512 (69.6 against 59.6).
 TRANSPOSED_ROWS = {torch.float32: 32, torch.bfloat16: 256}
 
 
