@@ -55,8 +55,10 @@ def test_a_clients_trace_context_and_request_id_are_kept_and_exported(tmp_path):
         listed = httpx.get(r.url + "/debug/traces", timeout=5).json()["traces"]
         assert listed[0]["trace_id"] == TRACE_ID and listed[0]["request_ids"] == ["client-id.1"]
 
-        got = otlp.wait_for(TRACE_ID, {"slofleet-router"})
-        assert {"gateway", "upstream", "POST /v1/chat/completions"} <= {name for _, name, _ in got}
+        # the spans come in batches as they end: wait for the last ones too, not only the first batch
+        names = frozenset({"gateway", "upstream", "POST /v1/chat/completions"})
+        got = otlp.wait_for(TRACE_ID, {"slofleet-router"}, names)
+        assert names <= {name for _, name, _ in got}
         assert all(path == "/v1/traces" and ctype == "application/x-protobuf" for path, ctype, _ in otlp.requests)
 
         m = r.metrics()
