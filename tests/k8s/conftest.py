@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.support.server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "tests" / "cluster"
@@ -120,18 +121,7 @@ def wait_until(what: str, fn, timeout: float = 60, interval: float = 0.5):
 
 def free_ports(n: int) -> int:
     """The first of n consecutive free loopback ports (etcd takes two: clients and peers)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        try:
-            for port in range(first, first + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
+    return free_port(n)
 
 
 @pytest.fixture(scope="session")

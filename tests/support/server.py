@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -19,10 +20,36 @@ from slofleet.api.contract import INTERNAL_TOKEN_ENV
 from tests.support import ROOT
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def ephemeral_floor() -> int:
+    """The first port the kernel hands out on its own (to bind(0) and to outgoing connections)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+HANDED_OUT: set[int] = set()
+
+
+def free_port(n: int = 1) -> int:
+    """The first of n consecutive loopback ports free now, below the ephemeral range: a port bind(0) picked could be
+    taken, before a slow server binds it, by any outgoing connection on the machine (an engine's 30 s start lost its
+    port that way in CI). Never the same port twice in one test process."""
+    top = ephemeral_floor() - n
+    for _ in range(1000):
+        first = random.randrange(10_000, top)
+        ports = range(first, first + n)
+        if HANDED_OUT.intersection(ports):
+            continue
+        try:
+            for port in ports:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        HANDED_OUT.update(ports)
+        return first
+    raise RuntimeError("no free loopback ports below the ephemeral range")
 
 
 def wait_http(proc: subprocess.Popen, url: str, log: Path, timeout: float, what: str, pause: float = 0.3) -> None:
