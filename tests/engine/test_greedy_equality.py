@@ -81,3 +81,16 @@ def test_preemption_by_recompute(chat_ids, reference):
     engine = make(block_size=8, num_blocks=2 * (-(-need // 8)) + 1, enable_prefix_caching=False)
     check(engine, prompts, reference)
     assert engine.stats().preemptions > 0
+
+
+def test_offline_llm_takes_longer_prefill_steps(chat_ids, reference):
+    from slofleet.engine import LLM
+    from slofleet.engine.llm import OFFLINE_BATCHED_TOKENS
+    llm = LLM(dtype="float32")
+    prompts = [a + b for a, b in zip(chat_ids, chat_ids[1:] + chat_ids[:1])]  # more tokens than 512, all distinct
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, logprobs=5))
+    steps = llm.engine.stats().steps
+    assert 512 < steps.max_tokens_in_step <= OFFLINE_BATCHED_TOKENS
+    for prompt, out in zip(prompts, outs):
+        assert_matches_reference(out.token_ids, out.logprobs, *reference.greedy(prompt, 4))
+    assert LLM(dtype="float32", max_num_batched_tokens=64).engine.config.max_num_batched_tokens == 64

@@ -7,6 +7,11 @@ from .config import EngineConfig
 from .engine import LLMEngine
 from .sampling_params import SamplingParams
 
+# Offline generation has no latency target, so a step may take more prompt tokens than the server's default (as vLLM's
+# LLM class does): fewer, longer prefill steps reuse each weight over more rows. On a 2-core AMX Xeon the engine_cpu
+# workload ran 362 -> 400 tok/s from 512 to 2048, and no faster at 4096.
+OFFLINE_BATCHED_TOKENS = 2048
+
 
 @dataclass
 class CompletionOutput:
@@ -19,6 +24,7 @@ class CompletionOutput:
 
 class LLM:
     def __init__(self, model: str = "default", **kwargs):
+        kwargs.setdefault("max_num_batched_tokens", OFFLINE_BATCHED_TOKENS)
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
