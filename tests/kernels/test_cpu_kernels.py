@@ -50,12 +50,19 @@ def test_kernel_matches_the_gather_path(dtype, block_size, heads, kv_heads, dim,
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (6, 2, 80)])
-def test_long_prefill_chunks_match_the_torch_path(dtype, heads, kv_heads, dim, monkeypatch):
-    """The prefill kernel takes head dims 64 and 128 on a vector CPU; head dim 80 stays on SDPA (checked the same)."""
+@pytest.mark.parametrize("dtype,tiles", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (6, 2, 80), (16, 1, 64)])
+def test_long_prefill_chunks_match_the_torch_path(dtype, tiles, heads, kv_heads, dim, monkeypatch):
+    """The prefill kernel takes head dims 64 and 128 on a vector CPU; head dim 80 stays on SDPA (checked the same).
+    bf16 runs on the AMX tiles where the CPU has them (tile_attention.cpp), else on the vector unit; both checked."""
     q, cache = torch.zeros(1, heads, dim, dtype=dtype), torch.zeros(1, 16, kv_heads, dim, dtype=dtype)
     assert cpu_kernels.prefill_usable(q, cache) == (dim in (64, 128) and vector_cpu())
+    if tiles and not cpu_kernels.tiles():
+        pytest.skip("no AMX tiles here")
+    if tiles:
+        assert cpu_kernels.prefill_takes(heads, kv_heads, dim, "tile_prefill") == (dim in (64, 128))
+    else:
+        monkeypatch.setattr(cpu_kernels, "tiles", lambda: False)
     got = attend(LONG_SPANS, 16, heads, kv_heads, dim, dtype, True, monkeypatch, seed=dim)
     want = attend(LONG_SPANS, 16, heads, kv_heads, dim, dtype, False, monkeypatch, seed=dim)
     atol = 2e-5 if dtype == torch.float32 else 1.6e-2
@@ -80,6 +87,7 @@ def avx2_build(tmp_path_factory):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128)])
 def test_the_avx2_template_matches_the_gather_path_too(dtype, heads, kv_heads, dim, avx2_build, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load", lambda: avx2_build)
+    monkeypatch.setattr(cpu_kernels, "tiles", lambda: False)  # an AVX2 CPU has no AMX
     got = attend(SPANS + LONG_SPANS, 16, heads, kv_heads, dim, dtype, True, monkeypatch, seed=heads)
     want = attend(SPANS + LONG_SPANS, 16, heads, kv_heads, dim, dtype, False, monkeypatch, seed=heads)
     atol = 1e-5 if dtype == torch.float32 else 1.6e-2

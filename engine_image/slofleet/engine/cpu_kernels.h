@@ -1,8 +1,10 @@
 // Helpers the CPU kernels share: bf16 <-> fp32 as torch rounds, and the vector type of the CPU in hand (AVX-512, else
 // AVX2 with FMA) with the few operations the attention kernel needs, so that kernel is written once for both widths.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
@@ -77,6 +79,16 @@ inline __m512 silu_mul16(__m512 g, __m512 u) {
 inline void store_bf16(uint16_t *p, __m512 rounded, __mmask16 keep = 0xffff) {
     _mm256_mask_storeu_epi16(p, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
 }
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// The tile unit's configuration (_tile_loadconfig): per tile register, its rows and bytes per row.
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+#endif
 
 struct V512 {
     using T = __m512;
@@ -176,5 +188,66 @@ struct V256 {
 using Vec = V256;
 #define SLOFLEET_VEC 1
 #endif
+
+// A prefill-attention call (prefill_attention.cpp, tile_attention.cpp): q [T, H, D] strided (q_tok, q_head), caches
+// [blocks, block_size, KVH, D], out [T, H, D] contiguous, block_tables [B, bt_stride] int32, rows the batch rows to
+// attend; per batch row query_start, query_len and seq_len.
+struct Prefill {
+    const void *q;
+    int64_t q_tok, q_head;
+    const void *k, *v;
+    const int32_t *tables;
+    int64_t bt_stride;
+    const int32_t *rows;
+    int n_rows;
+    const int32_t *query_start, *query_len, *seq_len;
+    void *out;
+    int heads, kv_heads, block_size;
+    float scale;
+    int threads;
+};
+
+// Calls f(b, kvh, j0, j1) for every (batch row b, KV head, block of at most `per` query tokens j0..j1) on the call's
+// threads; each thread first makes a Scope (a kernel's per-thread setup, undone when it ends). Rows in order, each
+// with its blocks last block first: the longest contexts start early, so the dynamic schedule ends level.
+template <class Scope, class F>
+void each_item(const Prefill &p, int per, F &&f) {
+    int64_t items = 0;
+    for (int i = 0; i < p.n_rows; i++) items += int64_t(p.kv_heads) * ((p.query_len[p.rows[i]] + per - 1) / per);
+#pragma omp parallel num_threads(p.threads)
+    {
+        Scope scope;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            int64_t left = item;
+            int i = 0, nb = 0;
+            for (; i < p.n_rows; i++) {
+                nb = (p.query_len[p.rows[i]] + per - 1) / per;
+                if (left < int64_t(p.kv_heads) * nb) break;
+                left -= int64_t(p.kv_heads) * nb;
+            }
+            int b = p.rows[i], blk = nb - 1 - int(left / p.kv_heads);
+            f(b, int(left % p.kv_heads), blk * per, std::min(p.query_len[b], blk * per + per));
+        }
+    }
+}
+
+// Rows r of o [rows][D] into out, row r being query token j0 + r / g of head kvh * g + r % g.
+template <int D, bool BF16>
+void put_rows(const Prefill &p, int b, int kvh, int j0, int rows, const float *o) {
+    const int g = p.heads / p.kv_heads;
+    for (int r = 0; r < rows; r++) {
+        int64_t at = ((p.query_start[b] + j0 + r / g) * int64_t(p.heads) + kvh * g + r % g) * D;
+#if defined(SLOFLEET_VEC)
+        for (int d = 0; d < D; d += Vec::N) Vec::template store<BF16>(p.out, at + d, Vec::loadu(o + r * D + d));
+#else
+        if constexpr (BF16) {
+            for (int d = 0; d < D; d++) static_cast<uint16_t *>(p.out)[at + d] = bf16_round(o[r * D + d]);
+        } else {
+            std::memcpy(static_cast<float *>(p.out) + at, o + r * D, D * sizeof(float));
+        }
+#endif
+    }
+}
 
 }  // namespace slofleet

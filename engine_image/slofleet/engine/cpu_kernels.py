@@ -1,4 +1,5 @@
-"""The engine's CPU kernels (paged_attention.cpp, prefill_attention.cpp, fused_ops.cpp, small_gemm.cpp, tile_gemm.cpp):
+"""The engine's CPU kernels (paged_attention.cpp, prefill_attention.cpp, tile_attention.cpp, fused_ops.cpp,
+small_gemm.cpp, tile_gemm.cpp):
 built once per machine, called with ctypes.
 
 They are plain C++, not a torch extension, so building takes seconds with the system's compiler and needs no torch
@@ -26,8 +27,8 @@ from .loader import cache_root
 
 log = logging.getLogger("slofleet.engine.kernel")
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "small_gemm.cpp",
-                                    "tile_gemm.cpp")]
+SOURCES = [HERE / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "tile_attention.cpp",
+                                    "fused_ops.cpp", "small_gemm.cpp", "tile_gemm.cpp")]
 HEADERS = [HERE / "cpu_kernels.h"]
 # No contraction of a * b + c into one FMA: the torch ops these replace round the product first.
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC",
@@ -42,6 +43,7 @@ _ATTENTION = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32, _ptr, _ptr, 
 SIGNATURES = {
     "paged_decode": _ATTENTION,
     "paged_prefill": _ATTENTION,
+    "tile_prefill": _ATTENTION,
     "add_rms_norm": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _f32, _i32, _i32],
     "rope": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
     "silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i32],
@@ -112,10 +114,10 @@ def prefill_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 @functools.cache
-def prefill_takes(heads: int, kv_heads: int, head_dim: int) -> bool:
+def prefill_takes(heads: int, kv_heads: int, head_dim: int, kind: str = "paged_prefill") -> bool:
     """The kernel's own answer (a call with no rows), asked once per shape rather than every step."""
-    return load().paged_prefill(None, 0, 0, None, None, None, 0, None, 0, None, None, None, None, heads, kv_heads,
-                                head_dim, 1, 1.0, 0, 1) == 0
+    return getattr(load(), kind)(None, 0, 0, None, None, None, 0, None, 0, None, None, None, None, heads, kv_heads,
+                                 head_dim, 1, 1.0, 1, 1) == 0
 
 
 def attend(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -125,7 +127,11 @@ def attend(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     (a few query tokens a row) or the "prefill" one (chunks). block_tables, query_start, query_len and seq_len are
     int32 and contiguous, one entry per batch row; the rows' new K/V are in the cache already."""
     heads, d = q.shape[1], q.shape[2]
-    rc = getattr(load(), f"paged_{kind}")(
+    name = f"paged_{kind}"
+    if kind == "prefill" and q.dtype == torch.bfloat16 and tiles() and prefill_takes(heads, k_cache.shape[2], d,
+                                                                                     "tile_prefill"):
+        name = "tile_prefill"  # on AMX: both products on the tiles
+    rc = getattr(load(), name)(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), rows.data_ptr(), len(rows), query_start.data_ptr(), query_len.data_ptr(),
         seq_len.data_ptr(), out.data_ptr(), heads, k_cache.shape[2], d, k_cache.shape[1], scale, DTYPES[q.dtype],

@@ -138,48 +138,26 @@ void attend(const Item &it, const float *qt, float *o) {
     }
 }
 
+struct NoScope {};
+
 template <int D, bool BF16>
-void run(const void *q, int64_t q_tok, int64_t q_head, const void *k_cache, const void *v_cache,
-         const int32_t *block_tables, int64_t bt_stride, const int32_t *rows, int n_rows, const int32_t *query_start,
-         const int32_t *query_len, const int32_t *seq_len, void *out, int heads, int kv_heads, int block_size,
-         float scale, int threads) {
-    const int g = heads / kv_heads, per_item = R / g;  // query tokens of an item
-    int64_t items = 0;  // (row, KV head, block of query tokens)
-    for (int i = 0; i < n_rows; i++) items += int64_t(kv_heads) * ((query_len[rows[i]] + per_item - 1) / per_item);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t item = 0; item < items; item++) {
-        // Rows in order, each with its blocks' items last block first: the longest contexts start early, so the
-        // dynamic schedule ends level.
-        int64_t left = item;
-        int i = 0, nb = 0;
-        for (; i < n_rows; i++) {
-            nb = (query_len[rows[i]] + per_item - 1) / per_item;
-            if (left < int64_t(kv_heads) * nb) break;
-            left -= int64_t(kv_heads) * nb;
-        }
-        int b = rows[i], kvh = int(left % kv_heads), blk = nb - 1 - int(left / kv_heads);
-        int q_n = query_len[b], j0 = blk * per_item, j1 = std::min(q_n, j0 + per_item), ctx = seq_len[b] - q_n;
-        Item it{k_cache, v_cache, block_tables + int64_t(b) * bt_stride, block_size, int64_t(kv_heads) * D,
+void run(const Prefill &p) {
+    const int g = p.heads / p.kv_heads, per_item = R / g;  // query tokens of an item
+    each_item<NoScope>(p, per_item, [&](int b, int kvh, int j0, int j1) {
+        int ctx = p.seq_len[b] - p.query_len[b];
+        Item it{p.k, p.v, p.tables + int64_t(b) * p.bt_stride, p.block_size, int64_t(p.kv_heads) * D,
                 int64_t(kvh) * D, ctx + j1, {}};
         alignas(64) float qt[D * R], o[R * D];
         for (int r = 0; r < R; r++) {
             int j = j0 + r / g, h = kvh * g + r % g;
             bool real = j < j1;
             it.pos[r] = float(ctx + (real ? j : j1 - 1));
-            int64_t at = (query_start[b] + std::min(j, j1 - 1)) * q_tok + int64_t(h) * q_head;
-            for (int d = 0; d < D; d++) qt[d * R + r] = real ? ld<BF16>(q, at + d) * scale : 0.0f;
+            int64_t at = (p.query_start[b] + std::min(j, j1 - 1)) * p.q_tok + int64_t(h) * p.q_head;
+            for (int d = 0; d < D; d++) qt[d * R + r] = real ? ld<BF16>(p.q, at + d) * p.scale : 0.0f;
         }
         attend<D, BF16>(it, qt, o);
-        for (int r = 0; r < (j1 - j0) * g; r++) {
-            int j = j0 + r / g, h = kvh * g + r % g;
-            int64_t at = ((query_start[b] + j) * int64_t(heads) + h) * D;
-            if constexpr (BF16) {
-                for (int d = 0; d < D; d++) static_cast<uint16_t *>(out)[at + d] = bf16_round(o[r * D + d]);
-            } else {
-                std::memcpy(static_cast<float *>(out) + at, o + r * D, D * sizeof(float));
-            }
-        }
-    }
+        put_rows<D, BF16>(p, b, kvh, j0, (j1 - j0) * g, o);
+    });
 }
 
 }  // namespace
@@ -192,15 +170,13 @@ extern "C" int paged_prefill(const void *q, int64_t q_tok, int64_t q_head, const
                              const int32_t *block_tables, int64_t bt_stride, const int32_t *rows, int n_rows,
                              const int32_t *query_start, const int32_t *query_len, const int32_t *seq_len, void *out,
                              int heads, int kv_heads, int d, int block_size, float scale, int bf16, int threads) {
+    Prefill p{q, q_tok, q_head, k_cache, v_cache, block_tables, bt_stride, rows, n_rows, query_start, query_len,
+              seq_len, out, heads, kv_heads, block_size, scale, threads};
 #if defined(SLOFLEET_VEC)
     if (kv_heads <= 0 || heads % kv_heads || heads / kv_heads > R || (d != 64 && d != 128)) return -1;
     if (n_rows == 0) return 0;
-#define SLOFLEET_PREFILL(D, B)                                                                                   \
-    run<D, B>(q, q_tok, q_head, k_cache, v_cache, block_tables, bt_stride, rows, n_rows, query_start, query_len, \
-              seq_len, out, heads, kv_heads, block_size, scale, threads)
-    if (d == 64) bf16 ? SLOFLEET_PREFILL(64, true) : SLOFLEET_PREFILL(64, false);
-    else bf16 ? SLOFLEET_PREFILL(128, true) : SLOFLEET_PREFILL(128, false);
-#undef SLOFLEET_PREFILL
+    if (d == 64) bf16 ? run<64, true>(p) : run<64, false>(p);
+    else bf16 ? run<128, true>(p) : run<128, false>(p);
     return 0;
 #else
     return -1;

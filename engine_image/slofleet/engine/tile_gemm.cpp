@@ -24,13 +24,6 @@ namespace {
 constexpr int ROWS = 16, COLS = 16, KSTEP = 32;  // a tile: 16 rows of 64 bytes (16 fp32, or 32 bf16 = 16 pairs)
 constexpr int64_t CHUNK = 8;  // work items of 32 rows per chunk: 256 rows of x, 288 KiB at K = 576
 
-struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: sums (rows of block r, columns of panel c: tile 2r + c); 4, 5: x's two row blocks; 6, 7: W's panels.
 void configure(int rows0, int rows1) {
     TileConfig cfg;
