@@ -5,8 +5,8 @@ Workload: 16 chat prompts of 20-300 words through the chat template, 32 output t
 chat template's system prompt repeats, which the prefix cache may keep). Each system runs it --runs times, in
 rounds of one run per system so the machine's drift moves every figure alike; each round also measures the GEMM
 rates at the workload's shapes (torch's in fp32 and bf16, and slofleet's own kernels where the CPU has them: fp32 on
-AVX-512 or AVX2, bf16 on AMX), from which the limit follows, at the fastest of them (the table also gives the fraction
-of the limit at torch's GEMMs alone, the issue's first definition):
+AVX-512 or AVX2, bf16 on AMX or AVX512-BF16), from which the limit follows, at the fastest of them (the table also
+gives the fraction of the limit at torch's GEMMs alone, the issue's first definition):
 
     limit_s = prompt tokens x 2 x 106.2M FLOP / (fastest GEMM at 2048x576x1536 and 512x576x1536)
             + 16 x 31 x 2 x 134.5M FLOP / (fastest GEMM at 16x576x1536)
@@ -72,7 +72,7 @@ def gemm_rates() -> dict[str, dict[str, float]]:
     kinds = [("fp32", torch.float32, False), ("bf16", torch.bfloat16, False)]
     if cpu_kernels.panel_columns():
         kinds.append(("fp32 kernel", torch.float32, True))
-    if cpu_kernels.tiles():
+    if cpu_kernels.bf16_gemm():
         kinds.append(("bf16 kernel", torch.bfloat16, True))
     return {shape: {name: gemm_gflops(rows, 576, 1536, dtype, seconds=0.2, kernel=kernel)
                     for name, dtype, kernel in kinds}

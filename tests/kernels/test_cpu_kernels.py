@@ -1,6 +1,6 @@
 """The CPU kernels against the torch ops they replace: paged decode and prefill attention (paged_attention.cpp,
 prefill_attention.cpp), the fused residual add + RMSNorm and rotary embedding (fused_ops.cpp), the fp32 and bf16
-GEMMs (small_gemm.cpp, tile_gemm.cpp); and the fallback without a compiler."""
+GEMMs (small_gemm.cpp, tile_gemm.cpp, dot_gemm.cpp); and the fallback without a compiler."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -222,16 +222,24 @@ def test_only_what_the_gemm_kernel_takes_is_packed():
 
 
 def tile_cases():
-    """(rows, N, K): a lone decode, a decode step, one and two 16-row blocks and a tail, a prefill chunk past one
-    chunk of work items (256 rows); N and K at the model's sizes and at the kernel's smallest (32)."""
+    """(rows, N, K): a lone decode, a decode step, the tiles' one and two 16-row blocks and a tail, the vector
+    kernel's 12-row items with tails and its 24-row chunks, a prefill chunk past the tiles' chunk of work items (256
+    rows); N and K at the model's sizes and at the kernels' smallest (32)."""
     return [(1, 960, 576), (5, 32, 32), (16, 1536, 576), (17, 576, 1536), (32, 64, 96), (33, 96, 64),
             (300, 128, 576), (16, 49152, 576)]
 
 
+@pytest.fixture(params=["tile_gemm", "dot_gemm"])
+def bf16_kernel(request, monkeypatch):
+    """Each bf16 GEMM kernel this CPU runs (AMX tiles, AVX512-BF16 dot products), as the one pack and gemm use."""
+    if request.param not in cpu_kernels.bf16_kernels():
+        pytest.skip(f"{request.param} does not run on this CPU: torch's bf16 GEMM or the other kernel does")
+    monkeypatch.setattr(cpu_kernels, "bf16_gemm", lambda: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("rows,n,k", tile_cases())
-def test_the_bf16_tile_kernel_matches_torch(rows, n, k):
-    if not cpu_kernels.tiles():
-        pytest.skip("no AMX-BF16 here: the tile kernel does not run and torch's bf16 GEMM does")
+def test_the_bf16_kernels_match_torch(rows, n, k, bf16_kernel):
     gen = torch.Generator().manual_seed(rows * n + k)
     w = torch.randn((n, k), generator=gen).bfloat16()
     x = torch.randn((rows, 2 * k), generator=gen).bfloat16()[:, ::2]  # strided rows
@@ -245,10 +253,8 @@ def test_the_bf16_tile_kernel_matches_torch(rows, n, k):
 
 
 @pytest.mark.parametrize("rows", [1, 16, 40, 300])
-def test_the_swiglu_epilogue_equals_the_product_then_silu_mul(rows):
+def test_the_swiglu_epilogue_equals_the_product_then_silu_mul(rows, bf16_kernel):
     """Paired gate/up tiles end in silu(gate) * up: the same bits as the whole product then the SiLU kernel."""
-    if not cpu_kernels.tiles():
-        pytest.skip("no AMX-BF16 here")
     gen = torch.Generator().manual_seed(rows)
     inter, k = 96, 64
     w = torch.randn((2 * inter, k), generator=gen).bfloat16()
@@ -262,9 +268,7 @@ def test_the_swiglu_epilogue_equals_the_product_then_silu_mul(rows):
         cpu_kernels.gemm(torch.zeros(2, 64), cpu_kernels.pack(torch.zeros(64, 64)), silu=True)
 
 
-def test_only_what_the_tile_kernel_takes_is_packed():
-    if not cpu_kernels.tiles():
-        pytest.skip("no AMX-BF16 here")
+def test_only_what_the_bf16_kernels_take_is_packed(bf16_kernel):
     bf16 = dict(dtype=torch.bfloat16)
     assert cpu_kernels.pack(torch.zeros(48, 64, **bf16)) is None  # N off the 32-column pair of tiles
     assert cpu_kernels.pack(torch.zeros(64, 48, **bf16)) is None  # K off the 32-element step
@@ -273,9 +277,7 @@ def test_only_what_the_tile_kernel_takes_is_packed():
         cpu_kernels.gemm(torch.zeros(2, 64), cpu_kernels.pack(torch.zeros(64, 64, **bf16)))
 
 
-def test_a_bf16_layer_with_tiles_answers_as_its_weight_did():
-    if not cpu_kernels.tiles():
-        pytest.skip("no AMX-BF16 here")
+def test_a_bf16_layer_with_tiles_answers_as_its_weight_did(bf16_kernel):
     from slofleet.engine.model import dense
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 96, bias=True).bfloat16()

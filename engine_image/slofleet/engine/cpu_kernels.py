@@ -1,5 +1,5 @@
 """The engine's CPU kernels (paged_attention.cpp, prefill_attention.cpp, tile_attention.cpp, fused_ops.cpp,
-small_gemm.cpp, tile_gemm.cpp):
+small_gemm.cpp, tile_gemm.cpp, dot_gemm.cpp):
 built once per machine, called with ctypes.
 
 They are plain C++, not a torch extension, so building takes seconds with the system's compiler and needs no torch
@@ -28,7 +28,7 @@ from .loader import cache_root
 log = logging.getLogger("slofleet.engine.kernel")
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "tile_attention.cpp",
-                                    "fused_ops.cpp", "small_gemm.cpp", "tile_gemm.cpp")]
+                                    "fused_ops.cpp", "small_gemm.cpp", "tile_gemm.cpp", "dot_gemm.cpp")]
 HEADERS = [HERE / "cpu_kernels.h"]
 # No contraction of a * b + c into one FMA: the torch ops these replace round the product first.
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC",
@@ -52,8 +52,9 @@ SIGNATURES = {
     "tile_enable": [],
     "tile_pack": [_ptr, _i64, _i64, _i32, _ptr],
     "tile_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32],
+    "dot_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32],
 }
-TILE = 32  # the bf16 tile kernel takes N and K in multiples of this
+TILE = 32  # the bf16 kernels take N and K in multiples of this
 
 
 def build(out: Path, flags: list[str] = FLAGS) -> None:
@@ -193,16 +194,32 @@ def tiles() -> bool:
     return load() is not None and load().tile_enable() == 0
 
 
+@functools.cache
+def bf16_kernels() -> tuple[str, ...]:
+    """The bf16 GEMM kernels this CPU runs, the faster first: "tile_gemm" on AMX, "dot_gemm" on AVX512-BF16 (the
+    vector unit's bf16 dot product); both read the weights `pack` makes."""
+    found = ("tile_gemm",) if tiles() else ()
+    if load() is not None and load().dot_gemm(None, 0, None, None, 0, 0, TILE, 2, 0, 1) == 0:  # no rows: asks only
+        found += ("dot_gemm",)
+    return found
+
+
+def bf16_gemm() -> str | None:
+    """The bf16 GEMM kernel the engine runs, or None where none is built (torch's bf16 GEMM runs)."""
+    return next(iter(bf16_kernels()), None)
+
+
 def pack(weight: torch.Tensor, paired: bool = False) -> torch.Tensor | None:
     """A CPU weight W [N, K] as a GEMM kernel reads it: fp32 as [N / C, K, C] panels of W.T (small_gemm.cpp), bf16
-    as [N / 16, K / 2, 16, 2] tiles of pairs (tile_gemm.cpp, on AMX). None where no kernel takes it (another dtype
-    or device, no kernel for this CPU, N or K off the kernel's multiple): torch's GEMM runs. `paired`: W is a
-    SwiGLU's [gate; up]; bf16 tiles then pair each gate column with its up column, for gemm(..., silu=True)."""
+    as [N / 16, K / 2, 16, 2] tiles of pairs (tile_gemm.cpp on AMX, dot_gemm.cpp on AVX512-BF16). None where no
+    kernel takes it (another dtype or device, no kernel for this CPU, N or K off the kernel's multiple): torch's GEMM
+    runs. `paired`: W is a SwiGLU's [gate; up]; bf16 tiles then pair each gate column with its up column, for
+    gemm(..., silu=True)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     n, k = weight.shape
     if weight.dtype == torch.bfloat16:
-        if not tiles() or n % TILE or k % TILE:
+        if bf16_gemm() is None or n % TILE or k % TILE:
             return None
         w = weight.detach().contiguous()
         out = torch.empty((n // 16, k // 2, 16, 2), dtype=torch.bfloat16)
@@ -226,8 +243,8 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, silu: bool = False) -> torch.Ten
         x = x.contiguous()
     y = torch.empty((x.shape[0], n // 2 if silu else n), dtype=x.dtype)
     if bf16:
-        done = load().tile_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), y.shape[1], x.shape[0], n,
-                                k, int(silu), torch.get_num_threads())
+        done = getattr(load(), bf16_gemm())(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), y.shape[1],
+                                            x.shape[0], n, k, int(silu), torch.get_num_threads())
     else:
         done = load().small_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], n, k,
                                  torch.get_num_threads())

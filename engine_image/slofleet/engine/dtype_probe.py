@@ -108,8 +108,8 @@ def choose(name: str, device: torch.device, hidden: int, intermediate: int) -> D
     if device.type == "cuda":
         return DtypeChoice(dtype="bfloat16", reason="gpu", gflops={})
     # a probe of torch's GEMM answers nothing about the kernels the engine runs instead
-    gemm = "+".join(k for k, on in (("fp32 kernel", cpu_kernels.panel_columns()), ("bf16 tiles", cpu_kernels.tiles()))
-                    if on) or "torch"
+    fp32, bf16 = cpu_kernels.panel_columns(), cpu_kernels.bf16_gemm()
+    gemm = "+".join(k for k, on in (("fp32 kernel", fp32), (f"bf16 {bf16}", bf16)) if on) or "torch"
     key = f"{cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{hidden}x{intermediate}|{gemm}"
     path = cache_file()
     try:

@@ -192,10 +192,10 @@ class CausalLM(nn.Module):
         return logits.to(torch.float32, memory_format=torch.contiguous_format)  # one copy, not .float().contiguous()
 
     def pack(self) -> None:
-        """Where a CPU GEMM kernel takes a projection (fp32 on AVX-512 or AVX2, bf16 on AMX), keep its weight only in
-        the kernel's packed form (the first layout is freed, so no more memory), used at every step size; bf16 gate/up
-        tiles are paired, so the MLP's activation runs in their GEMM (swiglu). A tied LM head's packed form is a copy:
-        the embedding keeps its weight for the lookups."""
+        """Where a CPU GEMM kernel takes a projection (fp32 on AVX-512 or AVX2, bf16 on AMX or AVX512-BF16), keep its
+        weight only in the kernel's packed form (the first layout is freed, so no more memory), used at every step size;
+        bf16 gate/up tiles are paired, so the MLP's activation runs in their GEMM (swiglu). A tied LM head's packed form
+        is a copy: the embedding keeps its weight for the lookups."""
         gate_ups = {id(layer.gate_up_proj) for layer in self.layers}
         for m in self.modules():
             paired = id(m) in gate_ups and m.bias is None  # a bias would have to be added before the activation

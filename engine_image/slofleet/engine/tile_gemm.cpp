@@ -100,20 +100,6 @@ extern "C" int tile_enable() {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
 }
 
-// W [N, K] into [N / 16, K / 2, 16, 2]. Paired (a SwiGLU's [gate; up]): panel 2q holds gate's columns 16q.. and
-// panel 2q + 1 up's same columns, so one work item has both halves of 16 outputs.
-extern "C" void tile_pack(const uint16_t *w, int64_t n_len, int64_t k_len, int paired, uint16_t *out) {
-    int64_t half = n_len / 2;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < n_len / COLS; p++) {
-        int64_t first = paired ? (p % 2) * half + (p / 2) * COLS : p * COLS;  // W's row behind the panel's column 0
-        for (int64_t kk = 0; kk < k_len / 2; kk++)
-            for (int j = 0; j < COLS; j++)
-                for (int e = 0; e < 2; e++)
-                    out[((p * (k_len / 2) + kk) * COLS + j) * 2 + e] = w[(first + j) * k_len + 2 * kk + e];
-    }
-}
-
 // Returns 0; -1 when N or K is not a multiple of 32. With silu, W is a SwiGLU's [gate; up] packed in paired order
 // and y [M, N / 2] = silu(gate) * up.
 extern "C" int tile_gemm(const uint16_t *x, int64_t x_row, const uint16_t *wp, uint16_t *y, int64_t y_row,
@@ -143,9 +129,24 @@ extern "C" int tile_gemm(const uint16_t *x, int64_t x_row, const uint16_t *wp, u
 }
 #else
 extern "C" int tile_enable() { return -1; }
-extern "C" void tile_pack(const uint16_t *, int64_t, int64_t, int, uint16_t *) {}
 extern "C" int tile_gemm(const uint16_t *, int64_t, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t,
                          int, int) {
     return -1;
 }
 #endif
+
+// W [N, K] into [N / 16, K / 2, 16, 2], for this kernel or dot_gemm.cpp's (plain C++: built on every CPU). Paired (a
+// SwiGLU's [gate; up]): panel 2q holds gate's columns 16q.. and panel 2q + 1 up's same columns, so one work item has
+// both halves of 16 outputs.
+extern "C" void tile_pack(const uint16_t *w, int64_t n_len, int64_t k_len, int paired, uint16_t *out) {
+    constexpr int64_t cols = 16;
+    int64_t half = n_len / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < n_len / cols; p++) {
+        int64_t first = paired ? (p % 2) * half + (p / 2) * cols : p * cols;  // W's row behind the panel's column 0
+        for (int64_t kk = 0; kk < k_len / 2; kk++)
+            for (int64_t j = 0; j < cols; j++)
+                for (int e = 0; e < 2; e++)
+                    out[((p * (k_len / 2) + kk) * cols + j) * 2 + e] = w[(first + j) * k_len + 2 * kk + e];
+    }
+}
