@@ -17,6 +17,9 @@ using namespace slofleet;
 namespace {
 
 constexpr int MR = 12, COLS = 16;  // 24 accumulators, two W vectors and a broadcast: 27 of 32 registers
+// W is asked for 1 KiB ahead of each stream: the hardware's prefetch alone left a 16-32-row product of the model's
+// 30 layers (weights from memory) at 25-60 ms where this runs it at 15-40.
+constexpr int64_t AHEAD = 32;
 constexpr int64_t CHUNK = 24;  // rows of x per chunk, a multiple of MR: x's 27 KiB at K = 576 stay in L1
 
 inline __m512 dot(__m512 acc, __m512i x_pair, __m512i w) {
@@ -30,6 +33,8 @@ void item(const uint16_t *x, int64_t x_row, const uint16_t *w0, const uint16_t *
     for (int m = 0; m < mr; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < k_len; k += 2) {
         __m512i a = _mm512_loadu_si512(w0 + k * COLS), b = _mm512_loadu_si512(w1 + k * COLS);
+        _mm_prefetch(reinterpret_cast<const char *>(w0 + (k + AHEAD) * COLS), _MM_HINT_T0);  // no fault past the end
+        _mm_prefetch(reinterpret_cast<const char *>(w1 + (k + AHEAD) * COLS), _MM_HINT_T0);
         for (int m = 0; m < mr; m++) {
             int32_t pair;
             std::memcpy(&pair, x + m * x_row + k, 4);

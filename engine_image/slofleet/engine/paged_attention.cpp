@@ -91,6 +91,12 @@ void attend_vec(const float *qv, const Row &r, float scale, float *out) {
     T q[G][C], acc[G][C];
     float m[G], l[G];
     alignas(64) float s[G][SLICE];
+    T dots[G][SLICE], back[S];  // back: minus each lane's token in the slice, to mask those past the slice's end
+    for (int j = 0; j < S; j++) {
+        alignas(64) float at[V::N];
+        for (int i = 0; i < V::N; i++) at[i] = -float(j * V::N + i);
+        back[j] = V::loadu(at);
+    }
     for (int h = 0; h < G; h++) {
         m[h] = -INFINITY, l[h] = 0.0f;
         for (int c = 0; c < C; c++) q[h][c] = V::loadu(qv + h * D + c * V::N), acc[h][c] = V::zero();
@@ -107,19 +113,21 @@ void attend_vec(const float *qv, const Row &r, float scale, float *out) {
                     _mm_prefetch(static_cast<const char *>(r.v) + next + t * r.stride * (BF16 ? 2 : 4) + c, _MM_HINT_T0);
                 }
         }
-        for (int t = 0; t < SLICE; t++) {
-            if (t >= n) {
-                for (int h = 0; h < G; h++) s[h][t] = -INFINITY;
-                continue;
-            }
+        for (int t = 0; t < n; t++) {  // per head, SLICE vectors of products; their sums come out in one vector
             T kv[C];
             for (int c = 0; c < C; c++) kv[c] = V::template load<BF16>(r.k, first + t * r.stride + c * V::N);
             for (int h = 0; h < G; h++) {
                 T dot = V::mul(q[h][0], kv[0]);
                 for (int c = 1; c < C; c++) dot = V::fmadd(q[h][c], kv[c], dot);
-                s[h][t] = V::sum(dot) * scale;
+                dots[h][t] = dot;
             }
         }
+        for (int h = 0; h < G; h++)
+            for (int t = n; t < SLICE; t++) dots[h][t] = V::zero();
+        for (int h = 0; h < G; h++)
+            for (int j = 0; j < S; j++)
+                V::storeu(s[h] + j * V::N,
+                          V::mask_after(V::mul(V::sums(dots[h] + j * V::N), V::set1(scale)), back[j], float(1 - n)));
         for (int h = 0; h < G; h++) {
             float mx = m[h], sum = 0.0f;
             for (int j = 0; j < S; j++) mx = std::max(mx, V::max(V::loadu(s[h] + j * V::N)));
