@@ -50,6 +50,28 @@ def test_kernel_matches_the_gather_path(dtype, block_size, heads, kv_heads, dim,
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128)])
+def test_slots_past_a_context_never_reach_the_output(dtype, heads, kv_heads, dim):
+    """A block's slots past its row's context may hold anything (a freed request's K/V, or NaN): decodes and drafts,
+    odd and even context lengths (the bf16 kernel takes V two keys at a time), answer as over a zeroed cache."""
+    spans, bs = [(1, 1), (1, 17), (3, 33), (1, 6), (2, 129)], 16
+    meta, k_cache, v_cache = make_batch(spans, bs, kv_heads, dim, dtype, seed=5)
+    keep = torch.zeros(k_cache.shape[0] * bs, dtype=torch.bool)
+    for (q, seq), table in zip(spans, meta.block_tables.tolist()):
+        keep[[table[p // bs] * bs + p % bs for p in range(seq - q)]] = True
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn((sum(q for q, _ in spans), heads, dim), generator=gen).to(dtype)
+    k, v = (torch.randn((len(q), kv_heads, dim), generator=gen).to(dtype) for _ in range(2))
+    outs = []
+    for fill in (float("nan"), 0.0):
+        kc, vc = (c.clone().view(-1, kv_heads, dim) for c in (k_cache, v_cache))
+        kc[~keep], vc[~keep] = fill, fill
+        outs.append(TorchAttention(bs).forward(q, k, v, kc.view_as(k_cache), vc.view_as(v_cache), meta, dim ** -0.5))
+    assert not outs[0].isnan().any()
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("dtype,tiles", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (6, 2, 80), (16, 1, 64)])
 def test_long_prefill_chunks_match_the_torch_path(dtype, tiles, heads, kv_heads, dim, monkeypatch):

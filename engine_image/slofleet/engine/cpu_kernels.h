@@ -75,6 +75,13 @@ inline __m512 silu_mul16(__m512 g, __m512 u) {
     return keep_bf16(_mm512_mul_ps(keep_bf16(s), u));
 }
 
+#if defined(__AVX512BF16__)
+// acc + the products of a and b's bf16 pairs (vdpbf16ps), each lane's two summed into it.
+inline __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh &>(a), reinterpret_cast<__m512bh &>(b));
+}
+#endif
+
 // 16 fp32 lanes already rounded to bf16 (keep_bf16), stored as 16 bf16 where the mask says.
 inline void store_bf16(uint16_t *p, __m512 rounded, __mmask16 keep = 0xffff) {
     _mm256_mask_storeu_epi16(p, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));

@@ -22,10 +22,6 @@ constexpr int MR = 12, COLS = 16;  // 24 accumulators, two W vectors and a broad
 constexpr int64_t AHEAD = 32;
 constexpr int64_t CHUNK = 24;  // rows of x per chunk, a multiple of MR: x's 27 KiB at K = 576 stay in L1
 
-inline __m512 dot(__m512 acc, __m512i x_pair, __m512i w) {
-    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh &>(x_pair), reinterpret_cast<__m512bh &>(w));
-}
-
 template <int mr, bool SILU>
 void item(const uint16_t *x, int64_t x_row, const uint16_t *w0, const uint16_t *w1, int64_t k_len, uint16_t *y,
           int64_t y_row) {
@@ -39,8 +35,8 @@ void item(const uint16_t *x, int64_t x_row, const uint16_t *w0, const uint16_t *
             int32_t pair;
             std::memcpy(&pair, x + m * x_row + k, 4);
             __m512i xv = _mm512_set1_epi32(pair);
-            acc[m][0] = dot(acc[m][0], xv, a);
-            acc[m][1] = dot(acc[m][1], xv, b);
+            acc[m][0] = dot_bf16(acc[m][0], xv, a);
+            acc[m][1] = dot_bf16(acc[m][1], xv, b);
         }
     }
     for (int m = 0; m < mr; m++) {

