@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
@@ -12,6 +13,16 @@
 #endif
 
 namespace slofleet {
+
+// f(std::integral_constant<int, rows>) for rows in 1 .. MAX: a kernel whose sums live in registers needs its count of
+// rows at compile time, so a call for the last few rows picks the instantiation for exactly that many.
+template <int MAX, class F>
+void with_rows(int rows, F &&f) {
+    if constexpr (MAX > 0) {
+        if (rows == MAX) return f(std::integral_constant<int, MAX>{});
+        with_rows<MAX - 1>(rows, f);
+    }
+}
 
 inline float bf16_widen(uint16_t x) { return __builtin_bit_cast(float, uint32_t(x) << 16); }  // its top half
 

@@ -49,22 +49,15 @@ void item(const uint16_t *x, int64_t x_row, const uint16_t *w0, const uint16_t *
     }
 }
 
-// The last rows of a chunk, fewer than MR: the item for exactly that many (sums must stay in registers).
-template <int mr, bool SILU>
-void rest(int left, const uint16_t *x, int64_t x_row, const uint16_t *w0, const uint16_t *w1, int64_t k_len,
-          uint16_t *y, int64_t y_row) {
-    if constexpr (mr > 0) {
-        if (left != mr) return rest<mr - 1, SILU>(left, x, x_row, w0, w1, k_len, y, y_row);
-        item<mr, SILU>(x, x_row, w0, w1, k_len, y, y_row);
-    }
-}
-
 template <bool SILU>
 void rows(const uint16_t *x, int64_t x_row, const uint16_t *w0, const uint16_t *w1, int64_t k_len, int64_t m_len,
           uint16_t *y, int64_t y_row) {
     int64_t m = 0;
     for (; m + MR <= m_len; m += MR) item<MR, SILU>(x + m * x_row, x_row, w0, w1, k_len, y + m * y_row, y_row);
-    if (m < m_len) rest<MR - 1, SILU>(int(m_len - m), x + m * x_row, x_row, w0, w1, k_len, y + m * y_row, y_row);
+    // the chunk's last rows, fewer than MR
+    with_rows<MR - 1>(int(m_len - m), [&](auto mr) {
+        item<mr, SILU>(x + m * x_row, x_row, w0, w1, k_len, y + m * y_row, y_row);
+    });
 }
 
 }  // namespace

@@ -84,6 +84,17 @@ void attend_plain(const float *qv, int g, int d, const Row &r, float scale, int 
 }
 
 #if defined(SLOFLEET_VEC)
+// A slice's scaled scores into s [SLICE] from its keys' dot-product vectors (dots[t] for t < n; each vector's lanes
+// sum to that key's q . k): all sums come out of one shuffle tree per vector of keys, and keys past n score -inf.
+template <class V>
+void slice_scores(typename V::T *dots, int n, float scale, float *s) {
+    alignas(64) static constexpr float minus_key[SLICE] = {0, -1, -2, -3, -4, -5, -6, -7, -8, -9, -10, -11, -12, -13,
+                                                           -14, -15};
+    for (int t = n; t < SLICE; t++) dots[t] = V::zero();
+    for (int j = 0; j < SLICE; j += V::N)
+        V::storeu(s + j, V::mask_after(V::mul(V::sums(dots + j), V::set1(scale)), V::loadu(minus_key + j), 1.0f - n));
+}
+
 template <int D, int G, bool BF16>
 void attend_vec(const float *qv, const Row &r, float scale, float *out) {
     using V = Vec;
@@ -92,12 +103,7 @@ void attend_vec(const float *qv, const Row &r, float scale, float *out) {
     T q[G][C], acc[G][C];
     float m[G], l[G];
     alignas(64) float s[G][SLICE];
-    T dots[G][SLICE], back[S];  // back: minus each lane's token in the slice, to mask those past the slice's end
-    for (int j = 0; j < S; j++) {
-        alignas(64) float at[V::N];
-        for (int i = 0; i < V::N; i++) at[i] = -float(j * V::N + i);
-        back[j] = V::loadu(at);
-    }
+    T dots[G][SLICE];
     for (int h = 0; h < G; h++) {
         m[h] = -INFINITY, l[h] = 0.0f;
         for (int c = 0; c < C; c++) q[h][c] = V::loadu(qv + h * D + c * V::N), acc[h][c] = V::zero();
@@ -123,12 +129,7 @@ void attend_vec(const float *qv, const Row &r, float scale, float *out) {
                 dots[h][t] = dot;
             }
         }
-        for (int h = 0; h < G; h++)
-            for (int t = n; t < SLICE; t++) dots[h][t] = V::zero();
-        for (int h = 0; h < G; h++)
-            for (int j = 0; j < S; j++)
-                V::storeu(s[h] + j * V::N,
-                          V::mask_after(V::mul(V::sums(dots[h] + j * V::N), V::set1(scale)), back[j], float(1 - n)));
+        for (int h = 0; h < G; h++) slice_scores<V>(dots[h], n, scale, s[h]);
         for (int h = 0; h < G; h++) {
             float mx = m[h], sum = 0.0f;
             for (int j = 0; j < S; j++) mx = std::max(mx, V::max(V::loadu(s[h] + j * V::N)));
@@ -168,8 +169,8 @@ void attend_dot(const float *qv, const Row &r, float scale, float *out) {
     constexpr int C = D / 32;  // 32-element pieces of a row
     __m512i q[G][C];
     __m512 lo[G][C], hi[G][C], dots[G][SLICE];
-    __m512 back = _mm512_set_ps(-15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1, 0);  // -lane
     float m[G], l[G];
+    alignas(64) float scores[SLICE];
     alignas(64) uint16_t p[G][SLICE];
     const uint16_t *k = static_cast<const uint16_t *>(r.k), *v = static_cast<const uint16_t *>(r.v);
     for (int h = 0; h < G; h++) {
@@ -194,9 +195,8 @@ void attend_dot(const float *qv, const Row &r, float scale, float *out) {
             }
         }
         for (int h = 0; h < G; h++) {
-            for (int t = n; t < SLICE; t++) dots[h][t] = _mm512_setzero_ps();
-            __m512 s = _mm512_mul_ps(V512::sums(dots[h]), _mm512_set1_ps(scale));
-            s = V512::mask_after(s, back, float(1 - n));
+            slice_scores<V512>(dots[h], n, scale, scores);
+            __m512 s = _mm512_load_ps(scores);
             float mx = std::max(m[h], _mm512_reduce_max_ps(s));
             __m512 corr = _mm512_set1_ps(m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mx));
             __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx)));

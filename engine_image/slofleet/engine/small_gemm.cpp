@@ -35,16 +35,6 @@ void tile(const float *x, int64_t x_row, const float *wt, int64_t n_len, int64_t
     for (int m = 0; m < mr; m++) Vec::storeu(y + m * n_len, acc[m][0]), Vec::storeu(y + m * n_len + Vec::N, acc[m][1]);
 }
 
-template <int mr>
-bool rest(int left, const float *x, int64_t x_row, const float *wt, int64_t n_len, int64_t k_len, float *y) {
-    if constexpr (mr == 0) {
-        return false;
-    } else {
-        if (left != mr) return rest<mr - 1>(left, x, x_row, wt, n_len, k_len, y);
-        tile<mr>(x, x_row, wt, n_len, k_len, y);
-        return true;
-    }
-}
 #endif
 
 }  // namespace
@@ -67,7 +57,9 @@ extern "C" int small_gemm(const float *x, int64_t x_row, const float *wt, float 
     for (int64_t p = 0; p < n_len / NC; p++) {
         int64_t m = 0;
         for (; m + MR <= m_len; m += MR) tile<MR>(x + m * x_row, x_row, wt + p * NC * k_len, n_len, k_len, y + m * n_len + p * NC);
-        if (m < m_len) rest<MR - 1>(int(m_len - m), x + m * x_row, x_row, wt + p * NC * k_len, n_len, k_len, y + m * n_len + p * NC);
+        with_rows<MR - 1>(int(m_len - m), [&](auto mr) {
+            tile<mr>(x + m * x_row, x_row, wt + p * NC * k_len, n_len, k_len, y + m * n_len + p * NC);
+        });
     }
     return 0;
 #else
