@@ -105,10 +105,23 @@ def avx2_build(tmp_path_factory):
     return cpu_kernels.open_library(path)
 
 
+@pytest.fixture(scope="module")
+def no_bf16_dot_build(tmp_path_factory):
+    """On an AVX512-BF16 CPU, the kernels also built without that extension: a bf16 cache then takes the widening
+    attention templates, as on AVX-512 CPUs before it, rather than the bf16 dot product."""
+    if "avx512_bf16" not in dtype_probe.cpu_model().split():
+        pytest.skip("no AVX512-BF16 here: the native build is the widening one, checked above")
+    path = tmp_path_factory.mktemp("kernels") / "no-bf16-dot.so"
+    cpu_kernels.build(path, [*cpu_kernels.FLAGS, "-mno-avx512bf16"])
+    return cpu_kernels.open_library(path)
+
+
+@pytest.mark.parametrize("build", ["avx2_build", "no_bf16_dot_build"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128)])
-def test_the_avx2_template_matches_the_gather_path_too(dtype, heads, kv_heads, dim, avx2_build, monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "load", lambda: avx2_build)
+def test_the_other_templates_match_the_gather_path_too(build, dtype, heads, kv_heads, dim, request, monkeypatch):
+    other = request.getfixturevalue(build)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: other)
     monkeypatch.setattr(cpu_kernels, "tiles", lambda: False)  # an AVX2 CPU has no AMX
     got = attend(SPANS + LONG_SPANS, 16, heads, kv_heads, dim, dtype, True, monkeypatch, seed=heads)
     want = attend(SPANS + LONG_SPANS, 16, heads, kv_heads, dim, dtype, False, monkeypatch, seed=heads)

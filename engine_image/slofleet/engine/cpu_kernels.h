@@ -14,6 +14,9 @@
 
 namespace slofleet {
 
+// Zeros in place of a row past a context's end: the cache there may hold anything, and 0 x NaN is NaN.
+alignas(64) inline constexpr uint16_t ZERO_ROW[256] = {};
+
 // f(std::integral_constant<int, rows>) for rows in 1 .. MAX: a kernel whose sums live in registers needs its count of
 // rows at compile time, so a call for the last few rows picks the instantiation for exactly that many.
 template <int MAX, class F>
@@ -90,6 +93,27 @@ inline __m512 silu_mul16(__m512 g, __m512 u) {
 // acc + the products of a and b's bf16 pairs (vdpbf16ps), each lane's two summed into it.
 inline __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
     return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh &>(a), reinterpret_cast<__m512bh &>(b));
+}
+
+// 16 fp32 lanes rounded to bf16 (nearest even), each in the low half of a 32-bit lane.
+inline __m512i bf16_lanes(__m512 f) {
+    __m256bh h = _mm512_cvtneps_pbh(f);
+    return _mm512_cvtepu16_epi32(reinterpret_cast<__m256i &>(h));
+}
+
+// 32 dims of two rows a and b interleaved in bf16 pairs (a's, b's), for a product with a broadcast pair of weights:
+// lane j of `even` holds dim 8 (j / 4) + j % 4, of `odd` that + 4 (unpack's order, which store_pairs undoes).
+inline void pair_rows(const uint16_t *a, const uint16_t *b, __m512i &even, __m512i &odd) {
+    __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
+    even = _mm512_unpacklo_epi16(x, y), odd = _mm512_unpackhi_epi16(x, y);
+}
+
+// The 32 dims of the sums of pair_rows' `even` and `odd` products, in their order, times f.
+inline void store_pairs(float *out, __m512 even, __m512 odd, __m512 f) {  // 128-bit pieces e0 o0 e1 o1 | e2 o2 e3 o3
+    __m512 a = _mm512_shuffle_f32x4(even, odd, _MM_SHUFFLE(1, 0, 1, 0));
+    __m512 b = _mm512_shuffle_f32x4(even, odd, _MM_SHUFFLE(3, 2, 3, 2));
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(3, 1, 2, 0)), f));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_shuffle_f32x4(b, b, _MM_SHUFFLE(3, 1, 2, 0)), f));
 }
 #endif
 

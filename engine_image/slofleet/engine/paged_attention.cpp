@@ -208,11 +208,10 @@ void attend_dot(const float *qv, const Row &r, float scale, float *out) {
                 lo[h][c] = _mm512_mul_ps(lo[h][c], corr), hi[h][c] = _mm512_mul_ps(hi[h][c], corr);
         }
         for (int t = 0; t < n; t += 2) {
+            const uint16_t *b = t + 1 < n ? v0 + (t + 1) * r.stride : ZERO_ROW;
             for (int c = 0; c < C; c++) {
-                __m512i a = _mm512_loadu_si512(v0 + t * r.stride + 32 * c);
-                // past the slice, a zero row: the cache there may hold anything, and 0 x NaN is NaN
-                __m512i b = t + 1 < n ? _mm512_loadu_si512(v0 + (t + 1) * r.stride + 32 * c) : _mm512_setzero_si512();
-                __m512i even = _mm512_unpacklo_epi16(a, b), odd = _mm512_unpackhi_epi16(a, b);
+                __m512i even, odd;
+                pair_rows(v0 + t * r.stride + 32 * c, b + 32 * c, even, odd);
                 for (int h = 0; h < G; h++) {
                     int32_t pair;
                     std::memcpy(&pair, p[h] + t, 4);
@@ -226,14 +225,7 @@ void attend_dot(const float *qv, const Row &r, float scale, float *out) {
     }
     for (int h = 0; h < G; h++) {
         __m512 inv = _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
-        for (int c = 0; c < C; c++) {  // back to the dims' order: 128-bit pieces lo0 hi0 lo1 hi1 | lo2 hi2 lo3 hi3
-            __m512 a = _mm512_shuffle_f32x4(lo[h][c], hi[h][c], _MM_SHUFFLE(1, 0, 1, 0));
-            __m512 b = _mm512_shuffle_f32x4(lo[h][c], hi[h][c], _MM_SHUFFLE(3, 2, 3, 2));
-            a = _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(3, 1, 2, 0));
-            b = _mm512_shuffle_f32x4(b, b, _MM_SHUFFLE(3, 1, 2, 0));
-            _mm512_storeu_ps(out + h * D + 32 * c, _mm512_mul_ps(a, inv));
-            _mm512_storeu_ps(out + h * D + 32 * c + 16, _mm512_mul_ps(b, inv));
-        }
+        for (int c = 0; c < C; c++) store_pairs(out + h * D + 32 * c, lo[h][c], hi[h][c], inv);
     }
 }
 #endif

@@ -5,7 +5,8 @@
 // (one query token at a time, a horizontal sum per key) about 65. Here a work item is one sequence's KV head and a
 // block of its query tokens: its R = query tokens x group heads rows are transposed once, so every score of a key
 // tile is a vertical FMA over rows (no horizontal sums), the online softmax runs down whole vectors of rows, and
-// P x V adds one broadcast probability times a V row into a register-blocked group of output rows.
+// P x V adds one broadcast probability times a V row into a register-blocked group of output rows. The products are
+// fp32 FMAs on widened rows (Widen), or on AVX512-BF16 with a bf16 cache the bf16 dot product (Dot).
 //
 // Layouts and dtypes as in paged_attention.cpp: q [T, H, D] strided (q_tok, q_head), caches [blocks, block_size,
 // KVH, D], out [T, H, D] contiguous, block_tables [B, bt_stride] int32; dtype 0 = fp32, 1 = bf16 (fp32 inside).
@@ -34,83 +35,186 @@ struct Item {
     int64_t stride, head;  // elements from one cached token to the next, and to this KV head
     int keys;              // context the item's last row sees
     float pos[R];          // each row's position (a padded row repeats the last one)
+    int64_t at(int p) const {  // where key p's row of this KV head starts
+        return (int64_t(table[p / block_size]) * block_size + p % block_size) * stride + head;
+    }
 };
 
-// Keys [start, start + n) of K and V as fp32 rows; rows past n are zero, so a masked key adds 0 x 0 to the output.
+// The widening path (any vector unit, either dtype): the rows' queries transposed and scaled, qt [D][R], and a tile's
+// keys and values as fp32 rows, so every product is a vertical fp32 FMA.
 template <int D, bool BF16>
-void load_tile(const Item &it, int start, int n, float *kf, float *vf) {
-    for (int t = 0; t < KT; t++) {
-        if (t >= n) {
-            std::memset(kf + t * D, 0, D * sizeof(float));
-            std::memset(vf + t * D, 0, D * sizeof(float));
-            continue;
-        }
-        int p = start + t;
-        int64_t at = (int64_t(it.table[p / it.block_size]) * it.block_size + p % it.block_size) * it.stride + it.head;
-        for (int c = 0; c < D; c += V::N) {
-            V::storeu(kf + t * D + c, V::template load<BF16>(it.k, at + c));
-            V::storeu(vf + t * D + c, V::template load<BF16>(it.v, at + c));
-        }
-    }
-}
+struct Widen {
+    alignas(64) float qt[D * R], kf[KT * D], vf[KT * D];
 
-// s[t][rv] = scaled q . k_t for every row, from qt [D][R] (the rows transposed) and kf [KT][D].
-template <int D>
-void score(const float *qt, const float *kf, T s[KT][RV]) {
-    for (int t0 = 0; t0 < KT; t0 += KB) {
-        T acc[KB][RV];
-        for (int b = 0; b < KB; b++)
-            for (int r = 0; r < RV; r++) acc[b][r] = V::zero();
-        for (int d = 0; d < D; d++) {
-            T q[RV];
-            for (int r = 0; r < RV; r++) q[r] = V::loadu(qt + d * R + r * V::N);
-            for (int b = 0; b < KB; b++) {
-                T k = V::set1(kf[(t0 + b) * D + d]);
-                for (int r = 0; r < RV; r++) acc[b][r] = V::fmadd(q[r], k, acc[b][r]);
-            }
-        }
-        for (int b = 0; b < KB; b++)
-            for (int r = 0; r < RV; r++) s[t0 + b][r] = acc[b][r];
+    void set_q(int r, const void *q, int64_t at, bool real, float scale) {
+        for (int d = 0; d < D; d++) qt[d * R + r] = real ? ld<BF16>(q, at + d) * scale : 0.0f;
     }
-}
 
-// out[rows] = out[rows] * corr + p^T v over the tile, RG rows at a time with their D / N vectors in registers.
-template <int D>
-void accumulate(const float *p, const float *corr, const float *vf, float *o) {
-    constexpr int C = D / V::N, RG = std::max(1, (V::N == 16 ? 24 : 12) / C);
-    static_assert(R % RG == 0);
-    for (int r0 = 0; r0 < R; r0 += RG) {
-        T acc[RG][C];
-        for (int i = 0; i < RG; i++) {
-            T c = V::set1(corr[r0 + i]);
-            for (int j = 0; j < C; j++) acc[i][j] = V::mul(V::loadu(o + (r0 + i) * D + j * V::N), c);
-        }
+    // Keys [start, start + n) as fp32 rows; rows past n are zero, so a masked key adds 0 x 0 to the output.
+    void load(const Item &it, int start, int n) {
         for (int t = 0; t < KT; t++) {
-            T vv[C];
-            for (int j = 0; j < C; j++) vv[j] = V::loadu(vf + t * D + j * V::N);
-            for (int i = 0; i < RG; i++) {
-                T w = V::set1(p[t * R + r0 + i]);
-                for (int j = 0; j < C; j++) acc[i][j] = V::fmadd(w, vv[j], acc[i][j]);
+            if (t >= n) {
+                std::memset(kf + t * D, 0, D * sizeof(float));
+                std::memset(vf + t * D, 0, D * sizeof(float));
+                continue;
+            }
+            int64_t at = it.at(start + t);
+            for (int c = 0; c < D; c += V::N) {
+                V::storeu(kf + t * D + c, V::template load<BF16>(it.k, at + c));
+                V::storeu(vf + t * D + c, V::template load<BF16>(it.v, at + c));
             }
         }
-        for (int i = 0; i < RG; i++)
-            for (int j = 0; j < C; j++) V::storeu(o + (r0 + i) * D + j * V::N, acc[i][j]);
     }
-}
+
+    // s[t][rv] = scaled q . k_t for every row.
+    void score(T s[KT][RV]) const {
+        for (int t0 = 0; t0 < KT; t0 += KB) {
+            T acc[KB][RV];
+            for (int b = 0; b < KB; b++)
+                for (int r = 0; r < RV; r++) acc[b][r] = V::zero();
+            for (int d = 0; d < D; d++) {
+                T q[RV];
+                for (int r = 0; r < RV; r++) q[r] = V::loadu(qt + d * R + r * V::N);
+                for (int b = 0; b < KB; b++) {
+                    T k = V::set1(kf[(t0 + b) * D + d]);
+                    for (int r = 0; r < RV; r++) acc[b][r] = V::fmadd(q[r], k, acc[b][r]);
+                }
+            }
+            for (int b = 0; b < KB; b++)
+                for (int r = 0; r < RV; r++) s[t0 + b][r] = acc[b][r];
+        }
+    }
+
+    // o[rows] = o[rows] * corr + p^T v over the tile, RG rows at a time with their D / N vectors in registers.
+    void accumulate(const float *p, const float *corr, float *o) const {
+        constexpr int C = D / V::N, RG = std::max(1, (V::N == 16 ? 24 : 12) / C);
+        static_assert(R % RG == 0);
+        for (int r0 = 0; r0 < R; r0 += RG) {
+            T acc[RG][C];
+            for (int i = 0; i < RG; i++) {
+                T c = V::set1(corr[r0 + i]);
+                for (int j = 0; j < C; j++) acc[i][j] = V::mul(V::loadu(o + (r0 + i) * D + j * V::N), c);
+            }
+            for (int t = 0; t < KT; t++) {
+                T vv[C];
+                for (int j = 0; j < C; j++) vv[j] = V::loadu(vf + t * D + j * V::N);
+                for (int i = 0; i < RG; i++) {
+                    T w = V::set1(p[t * R + r0 + i]);
+                    for (int j = 0; j < C; j++) acc[i][j] = V::fmadd(w, vv[j], acc[i][j]);
+                }
+            }
+            for (int i = 0; i < RG; i++)
+                for (int j = 0; j < C; j++) V::storeu(o + (r0 + i) * D + j * V::N, acc[i][j]);
+        }
+    }
+
+    void finish(float *) const {}  // o's rows are in the dims' order already
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// A bf16 cache on AVX512-BF16's dot product (vdpbf16ps), half the instructions of the widening path: each lane of a
+// score sums two dims (the rows' queries as bf16 pairs, qp [D/2][R], one key's pair broadcast), and P x V takes two
+// keys at a time (V's rows interleaved in pairs, each probability rounded to bf16 as paged_attention.cpp's attend_dot
+// and torch's CPU flash attention round it). Scores, the softmax and o stay fp32; o's rows hold each 32-dim piece in
+// unpack's order (store_pairs) until finish puts them back.
+template <int D>
+struct Dot {
+    static constexpr int C = D / 32;  // 32-dim pieces of a row
+    alignas(64) uint32_t qp[D / 2 * R], pp[KT / 2 * R];
+    alignas(64) __m512i vp[KT / 2][C][2];
+    const uint16_t *kp[KT];
+    float scale;
+
+    void set_q(int r, const void *q, int64_t at, bool real, float s) {
+        const uint16_t *x = static_cast<const uint16_t *>(q) + at;
+        for (int i = 0; i < D / 2; i++) qp[i * R + r] = real ? x[2 * i] | uint32_t(x[2 * i + 1]) << 16 : 0u;
+        scale = s;
+    }
+
+    void load(const Item &it, int start, int n) {
+        const uint16_t *k = static_cast<const uint16_t *>(it.k), *v = static_cast<const uint16_t *>(it.v);
+        const uint16_t *vr[KT];
+        for (int t = 0; t < KT; t++) {
+            int64_t at = t < n ? it.at(start + t) : -1;
+            kp[t] = at < 0 ? ZERO_ROW : k + at;  // keys past n
+            vr[t] = at < 0 ? ZERO_ROW : v + at;
+        }
+        for (int t = 0; t < KT; t += 2)
+            for (int c = 0; c < C; c++) pair_rows(vr[t] + 32 * c, vr[t + 1] + 32 * c, vp[t / 2][c][0], vp[t / 2][c][1]);
+    }
+
+    void score(__m512 s[KT][RV]) const {
+        for (int t0 = 0; t0 < KT; t0 += KB) {
+            __m512 acc[KB][RV];
+            for (int b = 0; b < KB; b++)
+                for (int r = 0; r < RV; r++) acc[b][r] = _mm512_setzero_ps();
+            for (int i = 0; i < D / 2; i++) {
+                __m512i q[RV];
+                for (int r = 0; r < RV; r++) q[r] = _mm512_load_si512(qp + i * R + r * 16);
+                for (int b = 0; b < KB; b++) {
+                    int32_t pair;
+                    std::memcpy(&pair, kp[t0 + b] + 2 * i, 4);
+                    __m512i k = _mm512_set1_epi32(pair);
+                    for (int r = 0; r < RV; r++) acc[b][r] = dot_bf16(acc[b][r], q[r], k);
+                }
+            }
+            for (int b = 0; b < KB; b++)
+                for (int r = 0; r < RV; r++) s[t0 + b][r] = _mm512_mul_ps(acc[b][r], _mm512_set1_ps(scale));
+        }
+    }
+
+    void accumulate(const float *p, const float *corr, float *o) {
+        for (int t = 0; t < KT; t += 2)  // each row's probabilities of keys t and t + 1, as one bf16 pair
+            for (int r = 0; r < R; r += 16) {
+                __m512i a = bf16_lanes(_mm512_load_ps(p + t * R + r));
+                __m512i b = bf16_lanes(_mm512_load_ps(p + (t + 1) * R + r));
+                _mm512_store_si512(pp + t / 2 * R + r, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+            }
+        constexpr int RG = 12 / C;
+        static_assert(R % RG == 0);
+        for (int r0 = 0; r0 < R; r0 += RG) {
+            __m512 acc[RG][C][2];
+            for (int i = 0; i < RG; i++) {
+                __m512 c = _mm512_set1_ps(corr[r0 + i]);
+                for (int j = 0; j < C; j++)
+                    for (int h = 0; h < 2; h++)
+                        acc[i][j][h] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + i) * D + 32 * j + 16 * h), c);
+            }
+            for (int t = 0; t < KT / 2; t++)
+                for (int i = 0; i < RG; i++) {
+                    __m512i w = _mm512_set1_epi32(int32_t(pp[t * R + r0 + i]));
+                    for (int j = 0; j < C; j++)
+                        for (int h = 0; h < 2; h++) acc[i][j][h] = dot_bf16(acc[i][j][h], vp[t][j][h], w);
+                }
+            for (int i = 0; i < RG; i++)
+                for (int j = 0; j < C; j++)
+                    for (int h = 0; h < 2; h++) _mm512_storeu_ps(o + (r0 + i) * D + 32 * j + 16 * h, acc[i][j][h]);
+        }
+    }
+
+    void finish(float *o) const {
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < C; j++) {
+                float *at = o + r * D + 32 * j;
+                store_pairs(at, _mm512_loadu_ps(at), _mm512_loadu_ps(at + 16), _mm512_set1_ps(1.0f));
+            }
+    }
+};
+#endif
 
 // Online softmax over the item's context, a tile of KT keys at a time; o [R][D] ends as the normalised output.
-template <int D, bool BF16>
-void attend(const Item &it, const float *qt, float *o) {
-    alignas(64) float kf[KT * D], vf[KT * D], p[KT * R], corr[R];
+template <int D, class Tile>
+void attend(const Item &it, Tile &tile, float *o) {
+    alignas(64) float p[KT * R], corr[R];
     T m[RV], l[RV], pos[RV];
     for (int r = 0; r < RV; r++) m[r] = V::set1(-INFINITY), l[r] = V::zero(), pos[r] = V::loadu(it.pos + r * V::N);
     std::memset(o, 0, sizeof(float) * R * D);
     float first_row = it.pos[0];
     for (int start = 0; start < it.keys; start += KT) {
         int n = std::min(KT, it.keys - start);
-        load_tile<D, BF16>(it, start, n, kf, vf);
+        tile.load(it, start, n);
         T s[KT][RV];
-        score<D>(qt, kf, s);
+        tile.score(s);
         bool masked = start + KT - 1 > first_row;  // some row sees only part of this tile (or none of its tail)
         for (int r = 0; r < RV; r++) {
             T mx = m[r];
@@ -128,7 +232,7 @@ void attend(const Item &it, const float *qt, float *o) {
             m[r] = mx;
             V::storeu(corr + r * V::N, c);
         }
-        accumulate<D>(p, corr, vf, o);
+        tile.accumulate(p, corr, o);
     }
     alignas(64) float inv[R];
     for (int r = 0; r < RV; r++) V::storeu(inv + r * V::N, l[r]);
@@ -136,28 +240,38 @@ void attend(const Item &it, const float *qt, float *o) {
         float f = inv[r] > 0.0f ? 1.0f / inv[r] : 0.0f;
         for (int d = 0; d < D; d++) o[r * D + d] *= f;
     }
+    tile.finish(o);
 }
 
 struct NoScope {};
 
-template <int D, bool BF16>
+template <int D, class Tile, bool BF16>
 void run(const Prefill &p) {
     const int g = p.heads / p.kv_heads, per_item = R / g;  // query tokens of an item
     each_item<NoScope>(p, per_item, [&](int b, int kvh, int j0, int j1) {
         int ctx = p.seq_len[b] - p.query_len[b];
         Item it{p.k, p.v, p.tables + int64_t(b) * p.bt_stride, p.block_size, int64_t(p.kv_heads) * D,
                 int64_t(kvh) * D, ctx + j1, {}};
-        alignas(64) float qt[D * R], o[R * D];
+        Tile tile;
+        alignas(64) float o[R * D];
         for (int r = 0; r < R; r++) {
             int j = j0 + r / g, h = kvh * g + r % g;
             bool real = j < j1;
             it.pos[r] = float(ctx + (real ? j : j1 - 1));
-            int64_t at = (p.query_start[b] + std::min(j, j1 - 1)) * p.q_tok + int64_t(h) * p.q_head;
-            for (int d = 0; d < D; d++) qt[d * R + r] = real ? ld<BF16>(p.q, at + d) * p.scale : 0.0f;
+            tile.set_q(r, p.q, (p.query_start[b] + std::min(j, j1 - 1)) * p.q_tok + int64_t(h) * p.q_head, real,
+                       p.scale);
         }
-        attend<D, BF16>(it, qt, o);
+        attend<D>(it, tile, o);
         put_rows<D, BF16>(p, b, kvh, j0, (j1 - j0) * g, o);
     });
+}
+
+template <int D>
+void run(const Prefill &p, int bf16) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if (bf16) return run<D, Dot<D>, true>(p);
+#endif
+    bf16 ? run<D, Widen<D, true>, true>(p) : run<D, Widen<D, false>, false>(p);
 }
 
 }  // namespace
@@ -175,8 +289,7 @@ extern "C" int paged_prefill(const void *q, int64_t q_tok, int64_t q_head, const
 #if defined(SLOFLEET_VEC)
     if (kv_heads <= 0 || heads % kv_heads || heads / kv_heads > R || (d != 64 && d != 128)) return -1;
     if (n_rows == 0) return 0;
-    if (d == 64) bf16 ? run<64, true>(p) : run<64, false>(p);
-    else bf16 ? run<128, true>(p) : run<128, false>(p);
+    d == 64 ? run<64>(p, bf16) : run<128>(p, bf16);
     return 0;
 #else
     return -1;
