@@ -45,6 +45,21 @@ struct Row {  // one query token's view of its context
         int left = block_size - start % block_size, n = visible - start;
         return std::min(std::min(left, n), SLICE);
     }
+#if defined(SLOFLEET_VEC)
+    // The K and V lines of the slice at `start` (rows of D elements of ES bytes), asked for a slice ahead: it sits in
+    // another block, which the hardware prefetcher cannot guess, and a decode step's caches come from memory.
+    template <int D, int ES>
+    void prefetch(int start) const {
+        if (start >= visible) return;
+        const char *k0 = static_cast<const char *>(k) + first(start) * ES;
+        const char *v0 = static_cast<const char *>(v) + first(start) * ES;
+        for (int t = 0, n = span(start); t < n; t++)
+            for (int c = 0; c < D * ES; c += 64) {
+                _mm_prefetch(k0 + t * stride * ES + c, _MM_HINT_T0);
+                _mm_prefetch(v0 + t * stride * ES + c, _MM_HINT_T0);
+            }
+    }
+#endif
 };
 
 // Plain loops: any head size and group, any x86 or other CPU.
@@ -108,18 +123,10 @@ void attend_vec(const float *qv, const Row &r, float scale, float *out) {
         m[h] = -INFINITY, l[h] = 0.0f;
         for (int c = 0; c < C; c++) q[h][c] = V::loadu(qv + h * D + c * V::N), acc[h][c] = V::zero();
     }
-    constexpr int BYTES = D * (BF16 ? 2 : 4);
     for (int start = 0; start < r.visible;) {
         int n = r.span(start);
         int64_t first = r.first(start);
-        if (start + n < r.visible) {  // the next slice sits elsewhere (another block): ask for its lines now
-            int64_t next = r.first(start + n) * (BF16 ? 2 : 4);
-            for (int t = 0; t < r.span(start + n); t++)
-                for (int c = 0; c < BYTES; c += 64) {
-                    _mm_prefetch(static_cast<const char *>(r.k) + next + t * r.stride * (BF16 ? 2 : 4) + c, _MM_HINT_T0);
-                    _mm_prefetch(static_cast<const char *>(r.v) + next + t * r.stride * (BF16 ? 2 : 4) + c, _MM_HINT_T0);
-                }
-        }
+        r.prefetch<D, BF16 ? 2 : 4>(start + n);
         for (int t = 0; t < n; t++) {  // per head, SLICE vectors of products; their sums come out in one vector
             T kv[C];
             for (int c = 0; c < C; c++) kv[c] = V::template load<BF16>(r.k, first + t * r.stride + c * V::N);
