@@ -1,7 +1,9 @@
 """Build the flat batch for one step, own the KV cache tensors, and run the model."""
 from __future__ import annotations
 
+import ctypes
 import logging
+import platform
 from pathlib import Path
 
 import torch
@@ -22,6 +24,23 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+# glibc's mallopt parameters: allocations from this size on are mmapped, and free memory above this at the top of the
+# heap goes back to the kernel.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEEP_BYTES = 1 << 30
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed memory in the process's heap (glibc): by default a step's activations of some MBs are mmapped, given
+    back when freed and faulted in again, zeroed, by the next step: 7,000-8,600 page faults and 0.05-0.1 s of kernel
+    time in a 3 s run of 16 prompts on a 2-core EPYC; with this, under 60 and 0.02 s. The heap then stays at the
+    engine's peak use, as with tcmalloc, which vLLM's CPU backend preloads for the same reason. Process-wide, once."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, KEEP_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, path: Path, max_len: int):
         self.device = pick_device(config.device)
@@ -36,6 +55,7 @@ class ModelRunner:
             self.attention = TritonAttention(config.block_size)
         else:
             cpu_kernels.load()  # built (seconds, once per machine) at start rather than in the first decode
+            keep_freed_memory()
             self.attention = TorchAttention(config.block_size)
         self.max_len, self.max_num_seqs, self.graphs = max_len, config.max_num_seqs, None
         self.use_cuda_graphs = config.cuda_graphs
