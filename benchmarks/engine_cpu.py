@@ -154,8 +154,8 @@ def serve_transformers(conn) -> None:
     from slofleet.engine import loader
     hf = AutoModelForCausalLM.from_pretrained(loader.resolve("default"), dtype=torch.float32).eval()
     runs = {"generate": run_hf_generate, "generate_batch": run_hf_generate_batch}
-    while (call := conn.recv()) is not None:
-        kind, ids = call
+    while True:  # until the benchmark exits: the process is a daemon
+        kind, ids = conn.recv()
         conn.send(runs[kind](hf, ids))
 
 

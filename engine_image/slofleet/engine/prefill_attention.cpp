@@ -108,7 +108,11 @@ struct Widen {
         }
     }
 
-    void finish(float *) const {}  // o's rows are in the dims' order already
+    // o's rows [R][D] (in the dims' order already) times each row's f.
+    void finish(float *o, const float *f) const {
+        for (int r = 0; r < R; r++)
+            for (int d = 0; d < D; d++) o[r * D + d] *= f[r];
+    }
 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -116,7 +120,7 @@ struct Widen {
 // score sums two dims (the rows' queries as bf16 pairs, qp [D/2][R], one key's pair broadcast), and P x V takes two
 // keys at a time (V's rows interleaved in pairs, each probability rounded to bf16 as paged_attention.cpp's attend_dot
 // and torch's CPU flash attention round it). Scores, the softmax and o stay fp32; o's rows hold each 32-dim piece in
-// unpack's order (store_pairs) until finish puts them back.
+// unpack's order (store_pairs) until finish puts them back, scaled.
 template <int D>
 struct Dot {
     static constexpr int C = D / 32;  // 32-dim pieces of a row
@@ -192,11 +196,11 @@ struct Dot {
         }
     }
 
-    void finish(float *o) const {
+    void finish(float *o, const float *f) const {
         for (int r = 0; r < R; r++)
             for (int j = 0; j < C; j++) {
                 float *at = o + r * D + 32 * j;
-                store_pairs(at, _mm512_loadu_ps(at), _mm512_loadu_ps(at + 16), _mm512_set1_ps(1.0f));
+                store_pairs(at, _mm512_loadu_ps(at), _mm512_loadu_ps(at + 16), _mm512_set1_ps(f[r]));
             }
     }
 };
@@ -236,11 +240,8 @@ void attend(const Item &it, Tile &tile, float *o) {
     }
     alignas(64) float inv[R];
     for (int r = 0; r < RV; r++) V::storeu(inv + r * V::N, l[r]);
-    for (int r = 0; r < R; r++) {
-        float f = inv[r] > 0.0f ? 1.0f / inv[r] : 0.0f;
-        for (int d = 0; d < D; d++) o[r * D + d] *= f;
-    }
-    tile.finish(o);
+    for (int r = 0; r < R; r++) inv[r] = inv[r] > 0.0f ? 1.0f / inv[r] : 0.0f;
+    tile.finish(o, inv);
 }
 
 struct NoScope {};
