@@ -13,9 +13,11 @@ issue's first definition):
             + 16 x 31 x 2 x 134.5M FLOP / (fastest GEMM at 16x576x1536)
 
 (106.2M: the weights every prompt token multiplies; 134.5M: those plus the LM head, which only sampled positions
-reach). The table shows the median tokens/s, the ratio to transformers generate_batch() and the median fraction
-of the limit reached (limit_s of that run's prompts over its time). llama.cpp (llama-cpp-python, sequential, on
-the same GGUF) is included when installed.
+reach). The table shows the median tokens/s, the ratio to transformers generate_batch(), the median fraction
+of the limit reached (limit_s of that run's prompts over its time) and the median share of the machine's CPU time
+the hypervisor gave to other guests during a run ("stolen", from /proc/stat): on a shared 2-core VM, runs with 6-8%
+stolen were 15-25% slower than runs with under 1%, more than the share itself (a parallel kernel waits for its
+slowest thread). llama.cpp (llama-cpp-python, sequential, on the same GGUF) is included when installed.
 
 Beside it, a memory floor the FLOP limit leaves out: every decode step reads all the weights (134.5M parameters, in
 the dtype of the faster decode GEMM), at best at the machine's read bandwidth measured in the same run; prefill at
@@ -55,6 +57,22 @@ def prompts(seed: int, quote: bool = False) -> list[str]:
     ask = "Repeat the following notes word for word" if quote else "Summarise the following notes"
     return [f"{ask} (set {seed}){'' if quote else ' in one sentence'}: " + " ".join(rng.choice(WORDS) for _ in
                                                                                    range(n)) for n in lengths]
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(stolen, all) CPU time since boot, summed over CPUs, from /proc/stat; (0, 0) where there is none. Stolen time
+    is what the hypervisor gave other guests while this VM's vCPUs were ready to run."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return 0, 0
+    return fields[7] if len(fields) > 7 else 0, sum(fields)
+
+
+def stolen_since(before: tuple[int, int]) -> float:
+    steal, total = (b - a for a, b in zip(before, cpu_jiffies()))
+    return steal / total if total else 0.0
 
 
 def log(msg: str) -> None:
@@ -154,8 +172,11 @@ def serve_transformers(conn) -> None:
     from slofleet.engine import loader
     hf = AutoModelForCausalLM.from_pretrained(loader.resolve("default"), dtype=torch.float32).eval()
     runs = {"generate": run_hf_generate, "generate_batch": run_hf_generate_batch}
-    while True:  # until the benchmark exits: the process is a daemon
-        kind, ids = conn.recv()
+    while True:
+        try:
+            kind, ids = conn.recv()
+        except EOFError:  # the benchmark is done and closed its end
+            return
         conn.send(runs[kind](hf, ids))
 
 
@@ -257,18 +278,21 @@ def main() -> int:
     rates: dict[str, list[float]] = {name: [] for name, _ in table}
     fractions: dict[str, list[float]] = {name: [] for name, _ in table}
     of_torch: dict[str, list[float]] = {name: [] for name, _ in table}
+    stolen: dict[str, list[float]] = {name: [] for name, _ in table}
     gemm: list[dict[str, dict[str, float]]] = []
     for i in range(args.runs):
         gemm.append(gemm_rates())
         for name, fn in table:
             ids, texts = workload(name)
-            t0 = time.perf_counter()
+            cpu0, t0 = cpu_jiffies(), time.perf_counter()
             n = fn(ids, texts)
             dt = time.perf_counter() - t0
+            stolen[name].append(stolen_since(cpu0))
             rates[name].append(n / dt)
             fractions[name].append(limit_seconds(gemm[-1], sum(map(len, ids))) / dt)
             of_torch[name].append(limit_seconds(torch_only(gemm[-1]), sum(map(len, ids))) / dt)
-            log(f"{name}: run {i + 1}/{args.runs}: {rates[name][-1]:.1f} tok/s, {fractions[name][-1]:.0%} of limit")
+            log(f"{name}: run {i + 1}/{args.runs}: {rates[name][-1]:.1f} tok/s, {fractions[name][-1]:.0%} of limit, "
+                f"{stolen[name][-1]:.1%} of CPU time stolen")
     print(versions())
     print("GEMM GFLOP/s (median of rounds):", "; ".join(
         f"{shape} " + ", ".join(f"{kind} {statistics.median(g[shape][kind] for g in gemm):.0f}"
@@ -283,12 +307,13 @@ def main() -> int:
     print(f"memory floor: weights read once per decode step at {gbps:.1f} GB/s bound any engine to {floor:.1f} tok/s, "
           f"{floor / limit:.0%} of the FLOP limit")
     base = statistics.median(rates.get("transformers generate_batch(), fp32", [0])) or None
-    print(f"{'system':45s} {'tok/s (median)':>15s} {'x generate_batch':>17s} {'of limit':>9s} {'of torch limit':>15s}")
+    print(f"{'system':45s} {'tok/s (median)':>15s} {'x generate_batch':>17s} {'of limit':>9s} {'of torch limit':>15s} "
+          f"{'stolen':>7s}")
     for name, r in rates.items():
         rate = statistics.median(r)
         ratio = f"{rate / base:.2f}x" if base else "-"
         print(f"{name:45s} {rate:15.1f} {ratio:>17s} {statistics.median(fractions[name]):9.0%} "
-              f"{statistics.median(of_torch[name]):15.0%}")
+              f"{statistics.median(of_torch[name]):15.0%} {statistics.median(stolen[name]):7.1%}")
     if args.speculative:
         names = [name for name in rates if "LLM() defaults" in name or "num_speculative_tokens" in name]
         for off, on in (names[:2], names[2:]):
