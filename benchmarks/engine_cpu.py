@@ -151,9 +151,10 @@ def run_hf_generate_batch(model, ids) -> int:
 
 
 class Transformers:
-    """The transformers rows, run in a process of their own: in one process with the engines, LLM() ran 6-17% slower
-    right after generate_batch() than right after another engine's run, in 6 of 8 alternating pairs (and not after
-    45 s of slofleet's own fp32 engine), so their heap stays apart from the engines'. Each call is timed here."""
+    """The transformers rows, run in a process of their own so their heap stays apart from the engines' (each call is
+    timed here). LLM() ran slower right after generate_batch() with the rows in its process and still does with them
+    apart: what those runs share is CPU time the hypervisor stole (the table's "stolen"), which rose after the rows'
+    minute of full load; the worker itself idles between calls."""
 
     def __init__(self):
         ctx = multiprocessing.get_context("spawn")
