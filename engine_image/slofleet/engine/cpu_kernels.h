@@ -27,6 +27,12 @@ void with_rows(int rows, F &&f) {
     }
 }
 
+// Asks for the cache lines of [p, p + bytes), to be read soon. Inlined by force, as must be any function that only
+// prefetches: GCC 12's pure-const analysis deems it free of effects and drops its calls before inlining them.
+[[gnu::always_inline]] inline void prefetch_lines(const void *p, int64_t bytes) {
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(static_cast<const char *>(p) + c, 0, 3);
+}
+
 inline float bf16_widen(uint16_t x) { return __builtin_bit_cast(float, uint32_t(x) << 16); }  // its top half
 
 inline uint16_t bf16_round(float f) {  // nearest even, as torch's conversion; NaN stays NaN

@@ -23,6 +23,10 @@ using namespace slofleet;
 namespace {
 
 constexpr int MAX_D = 256, MAX_G = 16, SLICE = 16;  // SLICE: tokens scored together before the softmax update
+// Tokens ahead of the slice being scored whose K and V lines are asked for (Row::prefetch). With the bf16 cache from
+// memory on a 2-core Xeon with AMX, a decode layer at 16 rows of 100-380 tokens: 0.29 ms with none, 0.19 one slice
+// ahead, 0.17-0.18 two, 0.21 four.
+constexpr int AHEAD = 2 * SLICE;
 
 inline void load_row(const void *base, int64_t idx, int bf16, int d, float *dst) {
     if (!bf16) {
@@ -46,18 +50,18 @@ struct Row {  // one query token's view of its context
         return std::min(std::min(left, n), SLICE);
     }
 #if defined(SLOFLEET_VEC)
-    // The K and V lines of the slice at `start` (rows of D elements of ES bytes), asked for a slice ahead: it sits in
-    // another block, which the hardware prefetcher cannot guess, and a decode step's caches come from memory.
+    // The K and V lines of the slice at `start` (rows of D elements of ES bytes), asked for AHEAD tokens early: it
+    // sits in another block, which the hardware prefetcher cannot guess, and a decode step's caches come from memory.
+    // Only prefetches, so inlined by force (see prefetch_lines): as a plain member, GCC 12 emitted none of them.
     template <int D, int ES>
-    void prefetch(int start) const {
+    [[gnu::always_inline]] inline void prefetch(int start) const {
         if (start >= visible) return;
         const char *k0 = static_cast<const char *>(k) + first(start) * ES;
         const char *v0 = static_cast<const char *>(v) + first(start) * ES;
-        for (int t = 0, n = span(start); t < n; t++)
-            for (int c = 0; c < D * ES; c += 64) {
-                _mm_prefetch(k0 + t * stride * ES + c, _MM_HINT_T0);
-                _mm_prefetch(v0 + t * stride * ES + c, _MM_HINT_T0);
-            }
+        for (int t = 0, n = span(start); t < n; t++) {
+            prefetch_lines(k0 + t * stride * ES, D * ES);
+            prefetch_lines(v0 + t * stride * ES, D * ES);
+        }
     }
 #endif
 };
@@ -126,7 +130,7 @@ void attend_vec(const float *qv, const Row &r, float scale, float *out) {
     for (int start = 0; start < r.visible;) {
         int n = r.span(start);
         int64_t first = r.first(start);
-        r.prefetch<D, BF16 ? 2 : 4>(start + n);
+        r.prefetch<D, BF16 ? 2 : 4>(start + AHEAD);
         for (int t = 0; t < n; t++) {  // per head, SLICE vectors of products; their sums come out in one vector
             T kv[C];
             for (int c = 0; c < C; c++) kv[c] = V::template load<BF16>(r.k, first + t * r.stride + c * V::N);
@@ -192,6 +196,7 @@ void attend_dot(const float *qv, const Row &r, float scale, float *out) {
     for (int start = 0; start < r.visible;) {
         int n = r.span(start);
         const uint16_t *k0 = k + r.first(start), *v0 = v + r.first(start);
+        r.prefetch<D, 2>(start + AHEAD);
         for (int t = 0; t < n; t++) {
             __m512i kr[C];
             for (int c = 0; c < C; c++) kr[c] = _mm512_loadu_si512(k0 + t * r.stride + 32 * c);

@@ -255,12 +255,19 @@ void run(const Prefill &p) {
                 int64_t(kvh) * D, ctx + j1, {}};
         Tile tile;
         alignas(64) float o[R * D];
+        auto q_at = [&](int r) {  // row r's query: token j0 + r / g (a padded row repeats the last), head kvh g + r % g
+            return (p.query_start[b] + std::min(j0 + r / g, j1 - 1)) * p.q_tok + int64_t(kvh * g + r % g) * p.q_head;
+        };
+        // Every row's query asked for at once: set_q's transposing stores otherwise wait on one row's lines at a time
+        // (the prompt's q, a few MB, is in L3 at best). 1.04-1.10x the kernel at 16 prompts of 65-345 tokens on a
+        // 2-core EPYC; unchanged (6.5 ms) on a 2-core Xeon with AMX, whose engine takes the tiles instead.
+        constexpr int ES = BF16 ? 2 : 4;
+        for (int r = 0; r < R; r++) prefetch_lines(static_cast<const char *>(p.q) + q_at(r) * ES, D * ES);
         for (int r = 0; r < R; r++) {
-            int j = j0 + r / g, h = kvh * g + r % g;
+            int j = j0 + r / g;
             bool real = j < j1;
             it.pos[r] = float(ctx + (real ? j : j1 - 1));
-            tile.set_q(r, p.q, (p.query_start[b] + std::min(j, j1 - 1)) * p.q_tok + int64_t(h) * p.q_head, real,
-                       p.scale);
+            tile.set_q(r, p.q, q_at(r), real, p.scale);
         }
         attend<D>(it, tile, o);
         put_rows<D, BF16>(p, b, kvh, j0, (j1 - j0) * g, o);
