@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from . import cpu_kernels
+from . import cpu_kernels, quant
 from .attention import AttentionBackend, AttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -191,16 +191,24 @@ class CausalLM(nn.Module):
             return logits.contiguous()
         return logits.to(torch.float32, memory_format=torch.contiguous_format)  # one copy, not .float().contiguous()
 
-    def pack(self) -> None:
+    def q4_forms(self) -> dict[int, quant.Q4]:
+        """The exact 4-bit forms (quant.recover) of this model's fp32 projection weights, by id of their layer: asked
+        before the cast to bf16, which loses what tells them apart; pack() then keeps them in that form."""
+        return {id(m): q for m in self.modules() if isinstance(m, nn.Linear) and m.weight is not
+                self.embed_tokens.weight and (q := quant.recover(m.weight)) is not None}
+
+    def pack(self, q4: dict[int, quant.Q4] | None = None) -> None:
         """Where a CPU GEMM kernel takes a projection (fp32 on AVX-512 or AVX2, bf16 on AMX or AVX512-BF16), keep its
         weight only in the kernel's packed form (the first layout is freed, so no more memory), used at every step size;
-        bf16 gate/up tiles are paired, so the MLP's activation runs in their GEMM (swiglu). A tied LM head's packed form
-        is a copy: the embedding keeps its weight for the lookups."""
+        bf16 gate/up tiles are paired, so the MLP's activation runs in their GEMM (swiglu). A layer in `q4` (q4_forms)
+        keeps its 4-bit form where the kernel unpacks it. A tied LM head's packed form is a copy: the embedding keeps
+        its weight for the lookups."""
+        q4 = q4 or {}
         gate_ups = {id(layer.gate_up_proj) for layer in self.layers}
         for m in self.modules():
             paired = id(m) in gate_ups and m.bias is None  # a bias would have to be added before the activation
-            if isinstance(m, nn.Linear) and (panels := cpu_kernels.pack(m.weight, paired)) is not None:
-                m.panels, m.paired = panels, paired and panels.dtype == torch.bfloat16
+            if isinstance(m, nn.Linear) and (panels := cpu_kernels.pack(m.weight, paired, q4.get(id(m)))) is not None:
+                m.panels, m.paired = panels, paired and panels.dtype != torch.float32
                 if m.weight is not self.embed_tokens.weight:
                     m.weight = nn.Parameter(m.weight.new_empty(0, m.in_features), requires_grad=False)
 
