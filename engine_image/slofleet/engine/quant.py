@@ -30,25 +30,30 @@ def exact(w: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) ->
     return (d.float()[..., None] * q + m.float()[..., None] == w).all(-1)
 
 
+def quantise(blocks: torch.Tensor, lo: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Each weight's q (as float) on the grid m + d * q from the block's minimum lo; 0 where d is 0."""
+    df = d.float()[..., None]
+    return torch.where(df > 0, ((blocks - lo[..., None]) / df).round(), 0.0).clamp_(0, 15)
+
+
 def fit(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """q (float), d, m for blocks [..., BLOCK] of fp32 weights and which blocks they give back exactly; None where
-    some block's minimum is no fp16 value (q = 0 sits at the minimum: the quantiser put it there)."""
+    some block's minimum is no fp16 value (q = 0 sits at the minimum: the quantiser put it there). d is the fp16
+    value nearest (max - min) / 15, or where that misses one of its NEIGHBOURS."""
     lo, hi = blocks.amin(-1), blocks.amax(-1)
     m = lo.half()
     if not torch.equal(m.float(), lo):
         return None
     d = ((hi - lo) / 15).half()
-    ok = torch.zeros(lo.shape, dtype=torch.bool)
-    q = torch.zeros_like(blocks)
-    for step in (0, *NEIGHBOURS):
-        todo = ~ok
-        if not todo.any():
+    q = quantise(blocks, lo, d)
+    ok = exact(blocks, q, d, m)
+    for step in NEIGHBOURS:
+        if ok.all():
             break
-        dt = (d[todo].view(torch.int16) + step).view(torch.float16) if step else d[todo]
-        df = dt.float()[:, None]
-        qt = torch.where(df > 0, ((blocks[todo] - lo[todo][:, None]) / df).round(), 0.0).clamp_(0, 15)
-        good = exact(blocks[todo], qt, dt, m[todo])
-        idx = todo.nonzero(as_tuple=True)
+        idx = (~ok).nonzero(as_tuple=True)
+        dt = (d[idx].view(torch.int16) + step).view(torch.float16)
+        qt = quantise(blocks[idx], lo[idx], dt)
+        good = exact(blocks[idx], qt, dt, m[idx])
         hit = tuple(i[good] for i in idx)
         q[hit], d[hit], ok[hit] = qt[good], dt[good], True
     return q, d, m, ok
