@@ -19,9 +19,10 @@ the hypervisor gave to other guests during a run ("stolen", from /proc/stat): on
 stolen were 15-25% slower than runs with under 1%, more than the share itself (a parallel kernel waits for its
 slowest thread). llama.cpp (llama-cpp-python, sequential, on the same GGUF) is included when installed.
 
-Beside it, a memory floor the FLOP limit leaves out: every decode step reads all the weights (134.5M parameters, in
-the dtype of the faster decode GEMM), at best at the machine's read bandwidth measured in the same run; prefill at
-the GEMM rate plus 31 such steps gives the fraction of the FLOP limit any engine could reach here.
+Beside it, a memory floor the FLOP limit leaves out: every decode step reads all the weights (134.5M parameters) as
+LLM() holds them (bf16, fp32, or a Q4_1 checkpoint's projections in their 5 bits: quant.py), at best at the machine's
+read bandwidth measured in the same run; prefill at the GEMM rate plus 31 such steps gives the fraction of the FLOP
+limit an engine holding those bytes could reach here.
 
 --speculative K adds LLM(num_speculative_tokens=K) (n-gram drafts) beside LLM() defaults, on this workload and on a
 quoting one (the same notes, each prompt asking for them back word for word; rows marked [quote]), in the same
@@ -124,11 +125,16 @@ def read_gbps() -> float:
     return best
 
 
-def floor_seconds(rates: dict[str, dict[str, float]], prompt_tokens: int, gbps: float) -> float:
-    """Prefill at the GEMM rate, then each decode step at least one read of the weights (see the docstring)."""
-    decode = max(rates["decode 16"], key=rates["decode 16"].get)
-    weights = DECODE_FLOP / 2 * (2 if decode.startswith("bf16") else 4)
-    step = max(N_PROMPTS * DECODE_FLOP / (rates["decode 16"][decode] * 1e9), weights / (gbps * 1e9))
+def weight_bytes(model) -> int:
+    """What one decode step reads of a model's weights: each projection's packed form where it has one, else its
+    weight (the embedding's lookups read a few rows only)."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return sum(m.panels.nbytes if m.panels is not None else m.weight.nbytes for m in layers)
+
+
+def floor_seconds(rates: dict[str, dict[str, float]], prompt_tokens: int, gbps: float, weights: int) -> float:
+    """Prefill at the GEMM rate, then each decode step at least one read of `weights` bytes (see the docstring)."""
+    step = max(N_PROMPTS * DECODE_FLOP / (max(rates["decode 16"].values()) * 1e9), weights / (gbps * 1e9))
     return prefill_seconds(rates, prompt_tokens) + (OUT_TOKENS - 1) * step
 
 
@@ -180,6 +186,8 @@ def serve_transformers(conn) -> None:
             return
         conn.send(runs[kind](hf, ids))
 
+
+HELD: dict[str, int] = {}  # the weight bytes LLM() defaults holds ("defaults"), for the memory floor
 
 # Per slofleet row, per call: engine steps, draft tokens, accepted ones (which the machine's load does not move),
 # and the process's CPU seconds (which other processes on a shared machine move less than its wall time).
@@ -235,6 +243,7 @@ def systems(args) -> list[tuple[str, object]]:
             out.append((f"slofleet LLM(dtype={dtype})", lambda ids, t, e=llm: run_slofleet(e, ids, t)))
     if "defaults" not in args.skip or args.speculative:
         llm = LLM()
+        HELD["defaults"] = weight_bytes(llm.engine.runner.model)
         name = f"slofleet LLM() defaults ({str(llm.engine.runner.dtype).removeprefix('torch.')})"
         out.append((name, lambda ids, t, e=llm, n=name: run_slofleet(e, ids, t, n)))
     if args.speculative:
@@ -303,10 +312,10 @@ def main() -> int:
     torch_limit = statistics.median(N_PROMPTS * OUT_TOKENS / limit_seconds(torch_only(g), sum(map(len, ids)))
                                     for g in gemm)
     print(f"  with torch's GEMMs only (the engine's kernels left out): {torch_limit:.1f} tok/s")
-    gbps = read_gbps()
-    floor = statistics.median(N_PROMPTS * OUT_TOKENS / floor_seconds(g, sum(map(len, ids)), gbps) for g in gemm)
-    print(f"memory floor: weights read once per decode step at {gbps:.1f} GB/s bound any engine to {floor:.1f} tok/s, "
-          f"{floor / limit:.0%} of the FLOP limit")
+    gbps, held = read_gbps(), HELD.get("defaults", int(DECODE_FLOP))  # bf16 where no LLM() ran
+    floor = statistics.median(N_PROMPTS * OUT_TOKENS / floor_seconds(g, sum(map(len, ids)), gbps, held) for g in gemm)
+    print(f"memory floor: the {held / 1e6:.0f} MB of weights LLM() reads a decode step, at {gbps:.1f} GB/s, bound an "
+          f"engine to {floor:.1f} tok/s, {floor / limit:.0%} of the FLOP limit")
     base = statistics.median(rates.get("transformers generate_batch(), fp32", [0])) or None
     print(f"{'system':45s} {'tok/s (median)':>15s} {'x generate_batch':>17s} {'of limit':>9s} {'of torch limit':>15s} "
           f"{'stolen':>7s}")
