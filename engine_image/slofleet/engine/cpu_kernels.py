@@ -29,7 +29,7 @@ log = logging.getLogger("slofleet.engine.kernel")
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "tile_attention.cpp",
                                     "fused_ops.cpp", "small_gemm.cpp", "tile_gemm.cpp", "dot_gemm.cpp")]
-HEADERS = [HERE / "cpu_kernels.h"]
+HEADERS = [HERE / "cpu_kernels.h", HERE / "forms.h"]
 # No contraction of a * b + c into one FMA: the torch ops these replace round the product first.
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC",
          "-shared"]
@@ -52,13 +52,13 @@ SIGNATURES = {
     "tile_enable": [],
     "tile_pack": [_ptr, _i64, _i64, _i32, _ptr],
     "tile_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32, _i32],
-    "q4_unpack": [_ptr, _i64, _i64, _ptr, _i32],
+    "form_unpack": [_ptr, _i64, _i64, _i32, _ptr, _i32],
     "dot_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32],
 }
 TILE = 32  # the bf16 kernels take N and K in multiples of this
-# Rows up to which the tile kernel unpacks a Q4 weight's tiles on their way to the tile unit (each work item of 32
-# rows unpacks them again); more rows unpack the whole weight once, then run on its bf16 tiles.
-Q4_DIRECT_ROWS = 64
+# Rows up to which the tile kernel unpacks a quantised form's panels itself (tile_gemm.cpp's CHUNK of 32-row blocks:
+# once each); more rows unpack the whole weight once, then run on its bf16 tiles.
+DIRECT_ROWS = 256
 
 
 def build(out: Path, flags: list[str] = FLAGS) -> None:
@@ -221,21 +221,27 @@ def panel_rows(n: int, paired: bool) -> torch.Tensor:
     return (first[:, None] + torch.arange(16)).reshape(-1)
 
 
-def pack(weight: torch.Tensor, paired: bool = False, q4: quant.Q4 | None = None) -> torch.Tensor | None:
+@functools.cache
+def unpacks() -> bool:
+    """Whether the tile kernel runs here and takes quantised forms (forms.h: AMX with AVX512-BF16)."""
+    return tiles() and load().form_unpack(None, 0, 0, 1, None, 1) == 0  # no weight: asks only
+
+
+def pack(weight: torch.Tensor, paired: bool = False, form: quant.Form | None = None) -> torch.Tensor | None:
     """A CPU weight W [N, K] as a GEMM kernel reads it: fp32 as [N / C, K, C] panels of W.T (small_gemm.cpp), bf16
     as [N / 16, K / 2, 16, 2] tiles of pairs (tile_gemm.cpp on AMX, dot_gemm.cpp on AVX512-BF16), or, given W's
-    exact 4-bit form (quant.recover) on AMX, that form's [N / 16, K / 32, 320] bytes, which the tile kernel unpacks
-    to the same tiles. None where no kernel takes it (another dtype or device, no kernel for this CPU, N or K off the
-    kernel's multiple): torch's GEMM runs. `paired`: W is a SwiGLU's [gate; up]; bf16 tiles then pair each gate
-    column with its up column, for gemm(..., silu=True)."""
+    exact GGUF form (quant.recover) where the tile kernel unpacks it, that form's [N / 16, K / 32, step] bytes, which
+    it unpacks to the same tiles. None where no kernel takes it (another dtype or device, no kernel for this CPU, N
+    or K off the kernel's multiple): torch's GEMM runs. `paired`: W is a SwiGLU's [gate; up]; bf16 tiles then pair
+    each gate column with its up column, for gemm(..., silu=True)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     n, k = weight.shape
     if weight.dtype == torch.bfloat16:
         if bf16_gemm() is None or n % TILE or k % TILE:
             return None
-        if q4 is not None and tiles() and load().q4_unpack(None, 0, 0, None, 1) == 0:  # no weight: asks only
-            return quant.layout(q4, panel_rows(n, paired))
+        if form is not None and unpacks():
+            return quant.layout(form, panel_rows(n, paired))
         w = weight.detach().contiguous()
         out = torch.empty((n // 16, k // 2, 16, 2), dtype=torch.bfloat16)
         load().tile_pack(w.data_ptr(), n, k, int(paired), out.data_ptr())
@@ -246,8 +252,15 @@ def pack(weight: torch.Tensor, paired: bool = False, q4: quant.Q4 | None = None)
     return weight.detach().reshape(n // c, c, k).transpose(1, 2).contiguous()
 
 
+def form_of(panels: torch.Tensor) -> int:
+    """forms.h's Form of a packed weight: 0 for plain panels or tiles."""
+    if panels.dtype != torch.uint8:
+        return 0
+    return 1 + quant.KINDS.index(next(k for k, b in quant.STEP_BYTES.items() if b == panels.shape[2]))
+
+
 def shape(panels: torch.Tensor) -> tuple[int, int]:
-    """(N, K) of the weight behind a packed form."""
+    """(N, K) of the weight behind a packed weight."""
     if panels.dtype == torch.uint8:
         return panels.shape[0] * 16, panels.shape[1] * quant.BLOCK
     if panels.dtype == torch.bfloat16:
@@ -256,24 +269,24 @@ def shape(panels: torch.Tensor) -> tuple[int, int]:
 
 
 def unpack(panels: torch.Tensor) -> torch.Tensor:
-    """A Q4 form's bf16 tiles, bit for bit those pack() makes of the weight it gives back."""
+    """A packed form's bf16 tiles, bit for bit those pack() makes of the weight it gives back."""
     n, k = shape(panels)
     out = torch.empty((n // 16, k // 2, 16, 2), dtype=torch.bfloat16)
-    if load().q4_unpack(panels.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()) != 0:
-        raise ValueError("this CPU has no kernel to unpack Q4 weights")
+    if load().form_unpack(panels.data_ptr(), n, k, form_of(panels), out.data_ptr(), torch.get_num_threads()) != 0:
+        raise ValueError("this CPU has no kernel to unpack quantised weights")
     return out
 
 
 def gemm(x: torch.Tensor, panels: torch.Tensor, silu: bool = False) -> torch.Tensor:
-    """x [M, K] @ W.T from W's packed form (`pack`: the dtype of x, or a Q4 form for bf16 x), into a new contiguous
-    [M, N]; with `silu` (bf16 tiles or a Q4 form packed paired), silu(gate) * up [M, N / 2] instead, rounded as
-    torch's ops round it."""
-    q4 = panels.dtype == torch.uint8
-    if q4 and x.shape[0] > Q4_DIRECT_ROWS:
-        panels, q4 = unpack(panels), False
-    bf16 = q4 or panels.dtype == torch.bfloat16
+    """x [M, K] @ W.T from W's packed form (`pack`: the dtype of x, or a quantised form for bf16 x), into a new
+    contiguous [M, N]; with `silu` (bf16 tiles or a form packed paired), silu(gate) * up [M, N / 2] instead, rounded
+    as torch's ops round it."""
+    form = form_of(panels)
+    if form and x.shape[0] > DIRECT_ROWS:
+        panels, form = unpack(panels), 0
+    bf16 = form or panels.dtype == torch.bfloat16
     n, k = shape(panels)
-    if x.shape[-1] != k or x.dim() != 2 or x.dtype != (torch.bfloat16 if q4 else panels.dtype) or (silu and not bf16):
+    if x.shape[-1] != k or x.dim() != 2 or x.dtype != (torch.bfloat16 if form else panels.dtype) or (silu and not bf16):
         raise ValueError(f"x {list(x.shape)} {x.dtype} does not fit panels {list(panels.shape)} {panels.dtype}"
                          f"{' with silu' if silu else ''}")
     if x.stride(-1) != 1:
@@ -282,7 +295,7 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, silu: bool = False) -> torch.Ten
     if bf16:
         args = (x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), y.shape[1], x.shape[0], n, k, int(silu))
         if bf16_gemm() == "tile_gemm":
-            done = load().tile_gemm(*args, int(q4), torch.get_num_threads())
+            done = load().tile_gemm(*args, form, torch.get_num_threads())
         else:
             done = load().dot_gemm(*args, torch.get_num_threads())
     else:

@@ -191,23 +191,23 @@ class CausalLM(nn.Module):
             return logits.contiguous()
         return logits.to(torch.float32, memory_format=torch.contiguous_format)  # one copy, not .float().contiguous()
 
-    def q4_forms(self) -> dict[int, quant.Q4]:
-        """The exact 4-bit forms (quant.recover) of this model's fp32 projection weights, by id of their layer: asked
-        before the cast to bf16, which loses what tells them apart; pack() then keeps them in that form."""
-        return {id(m): q for m in self.modules() if isinstance(m, nn.Linear) and m.weight is not
-                self.embed_tokens.weight and (q := quant.recover(m.weight)) is not None}
+    def forms(self) -> dict[int, quant.Form]:
+        """The exact GGUF forms (quant.recover) of this model's fp32 projection weights, the LM head's included, by id
+        of their layer: asked before the cast to bf16, which loses what tells them apart; pack() keeps them."""
+        return {id(m): f for m in self.modules() if isinstance(m, nn.Linear) and (f := quant.recover(m.weight))}
 
-    def pack(self, q4: dict[int, quant.Q4] | None = None) -> None:
+    def pack(self, forms: dict[int, quant.Form] | None = None) -> None:
         """Where a CPU GEMM kernel takes a projection (fp32 on AVX-512 or AVX2, bf16 on AMX or AVX512-BF16), keep its
         weight only in the kernel's packed form (the first layout is freed, so no more memory), used at every step size;
-        bf16 gate/up tiles are paired, so the MLP's activation runs in their GEMM (swiglu). A layer in `q4` (q4_forms)
-        keeps its 4-bit form where the kernel unpacks it. A tied LM head's packed form is a copy: the embedding keeps
-        its weight for the lookups."""
-        q4 = q4 or {}
+        bf16 gate/up tiles are paired, so the MLP's activation runs in their GEMM (swiglu). A layer in `forms` keeps
+        its quantised form where the kernel unpacks it. A tied LM head's packed form is a copy: the embedding keeps its
+        weight for the lookups."""
+        forms = forms or {}
         gate_ups = {id(layer.gate_up_proj) for layer in self.layers}
         for m in self.modules():
             paired = id(m) in gate_ups and m.bias is None  # a bias would have to be added before the activation
-            if isinstance(m, nn.Linear) and (panels := cpu_kernels.pack(m.weight, paired, q4.get(id(m)))) is not None:
+            panels = cpu_kernels.pack(m.weight, paired, forms.get(id(m))) if isinstance(m, nn.Linear) else None
+            if panels is not None:
                 m.panels, m.paired = panels, paired and panels.dtype != torch.float32
                 if m.weight is not self.embed_tokens.weight:
                     m.weight = nn.Parameter(m.weight.new_empty(0, m.in_features), requires_grad=False)

@@ -68,14 +68,14 @@ class ModelRunner:
         if getattr(self.hf_config, "tie_word_embeddings", False):
             model.lm_head.weight = model.embed_tokens.weight
         model.load_hf_state_dict(read_tensors(path))
-        # where the tile kernel takes bf16 weights, it reads a Q4_1 checkpoint's in their 4 bits (quant.py)
-        tiles = self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_kernels.tiles()
-        q4 = model.q4_forms() if tiles else {}
+        # where the tile kernel takes bf16 weights, it reads a GGUF checkpoint's in their quantised forms (quant.py)
+        unpacks = self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_kernels.unpacks()
+        forms = model.forms() if unpacks else {}
         self.model = model.to(self.dtype).eval()
         if self.device.type == "cpu":
-            model.pack(q4)
-            if q4:
-                log.info("%d of the model's projections kept in their Q4_1 form", len(q4))
+            model.pack(forms)
+            if forms:
+                log.info("%d of the model's projections kept in their GGUF forms", len(forms))
         layer = model.layers[0]
         self.kv_shape = (config.block_size, layer.n_kv, layer.head_dim)
         self.num_layers = len(model.layers)

@@ -1,0 +1,72 @@
+// A checkpoint's quantised forms of a weight (quant.py), unpacked to the bf16 tiles tile_gemm.cpp reads, bit for bit
+// those tile_pack makes of the dequantised weight rounded to bf16.
+//
+// A form holds W [N, K] as [N / 16, K / 32, step bytes]: per panel of 16 columns (tile_pack's order) and k-step of 32,
+// one tile's 16 rows (k pairs) of q, then the columns' fp16 scales d (and minimums m). Lane 2j + e of tile row kk is
+// column j at k = 2 kk + e; of a row's 32 lanes, those of columns 0-7 come from its first q bytes (or low nibbles),
+// those of columns 8-15 from the next (or high nibbles). Forms: Q4_1, w = d * q + m with q in 0..15; Q8_0, w = d * q
+// with q in -127..127, each in fp32 as gguf dequantises it, then rounded to bf16. Both products are exact in fp32
+// (11-bit d by 4 or 8 bits), so Q4_1's fused multiply-add rounds as gguf's product then sum do; no result can be
+// subnormal (d and m are fp16), which the bf16 conversion would flush.
+#pragma once
+#include <cstdint>
+
+#include "cpu_kernels.h"
+
+namespace slofleet {
+
+enum Form { PLAIN = 0, Q4_1 = 1, Q8_0 = 2 };
+constexpr int64_t step_bytes(int form) { return form == Q4_1 ? 16 * 16 + 2 * 32 : form == Q8_0 ? 16 * 32 + 32 : 0; }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define SLOFLEET_FORMS 1
+
+// Lanes 2j + e <- column j (first 8) and 8 + j (second 8) of one of the step's fp16 vectors of 16 columns.
+inline void spread(const uint8_t *at, __m512 &first, __m512 &second) {
+    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(at)));
+    first = _mm512_permutexvar_ps(lo, v), second = _mm512_permutexvar_ps(_mm512_add_epi32(lo, _mm512_set1_epi32(8)), v);
+}
+
+inline void store_row(uint16_t *dst, __m512 first, __m512 second) {
+    __m512bh pairs = _mm512_cvtne2ps_pbh(second, first);  // first's lanes first
+    _mm512_store_si512(dst, reinterpret_cast<__m512i &>(pairs));
+}
+
+// One step of a form into a bf16 tile (1 KiB, 64-byte aligned).
+template <int FORM>
+[[gnu::always_inline]] inline void unpack_step(const uint8_t *src, uint16_t *dst) {
+    __m512 d0, d1, m0, m1;
+    if constexpr (FORM == Q4_1) {
+        spread(src + 256, d0, d1);
+        spread(src + 288, m0, m1);
+        for (int kk = 0; kk < 16; kk++) {
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(src + 16 * kk)));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+            store_row(dst + 32 * kk, _mm512_fmadd_ps(lo, d0, m0), _mm512_fmadd_ps(hi, d1, m1));
+        }
+    } else {
+        spread(src + 512, d0, d1);
+        for (int kk = 0; kk < 16; kk++) {
+            const __m128i *row = reinterpret_cast<const __m128i *>(src + 32 * kk);
+            __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row)));
+            __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1)));
+            store_row(dst + 32 * kk, _mm512_mul_ps(a, d0), _mm512_mul_ps(b, d1));
+        }
+    }
+}
+
+// `steps` consecutive steps of a form into as many tiles.
+inline void unpack_steps(int form, const uint8_t *src, int64_t steps, uint16_t *dst) {
+    int64_t bytes = step_bytes(form);
+    for (int64_t s = 0; s < steps; s++) {
+        if (form == Q4_1)
+            unpack_step<Q4_1>(src + s * bytes, dst + s * 512);
+        else
+            unpack_step<Q8_0>(src + s * bytes, dst + s * 512);
+    }
+}
+#endif
+
+}  // namespace slofleet
