@@ -333,3 +333,22 @@ def test_a_layer_with_panels_answers_as_its_weight_did():
     want = torch.nn.functional.linear(x, layer.weight, layer.bias)
     layer.panels = cpu_kernels.pack(layer.weight)
     torch.testing.assert_close(dense(x, layer), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 700])  # a decode step, and a prefill chunk the threads share
+def test_the_kv_store_puts_rows_where_index_copy_does(dtype, rows):
+    """K and V as model.py hands them (views of the fused qkv rows) into their slots, as the torch path writes them;
+    the other slots keep what they held."""
+    blocks, bs, kvh, d = 64, 16, 3, 64
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn((rows, (9 + 2 * kvh) * d), generator=gen).to(dtype)
+    k, v = qkv[:, 9 * d:(9 + kvh) * d].view(rows, kvh, d), qkv[:, (9 + kvh) * d:].view(rows, kvh, d)
+    slots = torch.randperm(blocks * bs, generator=gen)[:rows]
+    held = torch.randn((2, blocks, bs, kvh, d), generator=gen).to(dtype)
+    caches = [held.clone(), held.clone()]
+    assert cpu_kernels.kv_store_usable(k, v, caches[0][0], slots)
+    TorchAttention.write(k, v, caches[0][0], caches[0][1], slots, kernel=True)
+    TorchAttention.write(k, v, caches[1][0], caches[1][1], slots, kernel=False)
+    assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], held)
+    assert not cpu_kernels.kv_store_usable(k, v, caches[0][0], slots.int())  # int32 slots: index_copy_ takes them

@@ -58,14 +58,18 @@ class TorchAttention:
 
     @staticmethod
     def write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
+              slot_mapping: torch.Tensor, kernel: bool = False) -> None:
+        """The new K/V into their slots: by the CPU kernel where the plan found it takes them (kernel), else torch."""
+        if kernel:
+            return cpu_kernels.kv_store(k, v, k_cache, v_cache, slot_mapping)
         kvh, d = k.shape[1], k.shape[2]
         k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
-    def _plan(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> dict:
-        """Gather indices and masks shared by all layers of one step; decodes and prefill chunks go to the in-place
-        kernels where they take this model's shapes.
+    def _plan(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              k_cache: torch.Tensor) -> dict:
+        """Gather indices and masks shared by all layers of one step; the KV store, decodes and prefill chunks go to
+        the in-place kernels where they take this model's shapes.
 
         Context is gathered a whole block at a time (index_select over block ids): copying 16-token runs is
         tens of times faster than indexing token slots one by one, and the tail past each length is masked.
@@ -100,7 +104,8 @@ class TorchAttention:
             qpos = torch.arange(L - q, L, device=device)
             mask = torch.arange(len(blocks) * bs, device=device)[None, :] <= qpos[:, None]
             prefill_info.append((start, q, blocks, mask))
-        return {"kernel": kernel, "decode_chunks": decode_chunks, "prefill_info": prefill_info}
+        return {"kernel": kernel, "decode_chunks": decode_chunks, "prefill_info": prefill_info,
+                "store": cpu_kernels.kv_store_usable(k, v, k_cache, meta.slot_mapping)}
 
     def _decode_chunks(self, meta: AttentionMetadata, decodes: list[int], batch: int, k_cache: torch.Tensor) -> list:
         """(rows, blocks, mask, n, valid) per chunk of decodes. A chunk gathers at most GATHER_BYTES of K and V (or
@@ -151,10 +156,10 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self.write(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.cache is None:
-            meta.cache = self._plan(meta, q, k_cache)
+            meta.cache = self._plan(meta, q, k, v, k_cache)
         plan = meta.cache
+        self.write(k, v, k_cache, v_cache, meta.slot_mapping, plan["store"])
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         kernel = plan["kernel"]
         for kind in ("decode", "prefill"):

@@ -46,6 +46,7 @@ SIGNATURES = {
     "tile_prefill": _ATTENTION,
     "add_rms_norm": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _f32, _i32, _i32],
     "rope": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
+    "kv_store": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
     "silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i32],
     "small_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32],
     "gemm_panel_columns": [],
@@ -184,6 +185,23 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     load().rope(qk.data_ptr(), qk.stride(0), cos.data_ptr(), sin.data_ptr(), qk.shape[0], qk.shape[1], qk.shape[2],
                 DTYPES[qk.dtype], torch.get_num_threads())
     return qk
+
+
+def kv_store_usable(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor) -> bool:
+    """[T, KVH, D] rows whose heads lie side by side, into a contiguous [blocks, block_size, KVH, D] cache of their
+    dtype, by int64 slots."""
+    return (all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v)) and k_cache.is_contiguous()
+            and k_cache.shape[2:] == k.shape[1:] == v.shape[1:] and slots.dtype == torch.int64
+            and slots.is_contiguous() and k.dtype == v.dtype == k_cache.dtype and usable(k, v, k_cache))
+
+
+def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+             ) -> None:
+    """k and v's rows into the caches' slots (kv_store_usable's tensors; v_cache laid out as k_cache)."""
+    es = k.element_size()
+    load().kv_store(k.data_ptr(), k.stride(0) * es, v.data_ptr(), v.stride(0) * es, k_cache.data_ptr(),
+                    v_cache.data_ptr(), slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2] * es,
+                    torch.get_num_threads())
 
 
 @functools.cache
