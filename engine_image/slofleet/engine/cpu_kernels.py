@@ -270,11 +270,12 @@ def pack(weight: torch.Tensor, paired: bool = False, form: quant.Form | None = N
     return weight.detach().reshape(n // c, c, k).transpose(1, 2).contiguous()
 
 
+FORM_BY_STEP = {quant.STEP_BYTES[kind]: i for i, kind in enumerate(quant.KINDS, 1)}  # forms.h's Form numbers
+
+
 def form_of(panels: torch.Tensor) -> int:
-    """forms.h's Form of a packed weight: 0 for plain panels or tiles."""
-    if panels.dtype != torch.uint8:
-        return 0
-    return 1 + quant.KINDS.index(next(k for k, b in quant.STEP_BYTES.items() if b == panels.shape[2]))
+    """forms.h's Form of a packed weight (by the bytes of its steps): 0 for plain panels or tiles."""
+    return FORM_BY_STEP[panels.shape[2]] if panels.dtype == torch.uint8 else 0
 
 
 def shape(panels: torch.Tensor) -> tuple[int, int]:
