@@ -8,7 +8,7 @@
 // of each column. A work item is two panels (32 columns) by two 16-row blocks of x: four accumulator tiles, two of x,
 // two of W (the eight tile registers). Layouts: x [M, K] bf16 with rows x_row apart; y [M, N] bf16 with rows y_row
 // apart; N a multiple of 32 and K of 32 (cpu_kernels.pack checks). A SwiGLU's gate/up product can end in its
-// activation (store_silu), so its [M, 2I] result never reaches memory.
+// activation (Pending), so its [M, 2I] result never reaches memory.
 //
 // W may also come in a checkpoint's quantised form (forms.h: 5 bits a weight for Q4_1, 8.5 for Q8_0): a thread's first
 // item on a pair of panels unpacks each k-step's two tiles as it goes, into a buffer its later items on the pair read
