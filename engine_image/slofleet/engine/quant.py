@@ -31,14 +31,16 @@ class Form:
 
 def exact(w: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """Per block [..., K / BLOCK]: whether d * q (+ m), in fp32 as gguf computes it, is w in every bit."""
-    got = d.float()[..., None] * q
-    return (got if m is None else got + m.float()[..., None]).eq(w).all(-1)
+    got = q * d.float()[..., None]  # in place from here: a weight's temporaries cost as much as the passes
+    if m is not None:
+        got.add_(m.float()[..., None])
+    return got.eq_(w).all(-1)
 
 
 def quantise(blocks: torch.Tensor, lo: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Each weight's q (as float) on the grid lo + d * q; 0 where d is 0."""
     df = d.float()[..., None]
-    return torch.where(df > 0, ((blocks - lo[..., None]) / df).round(), 0.0)
+    return (blocks - lo[..., None]).div_(df).round_().masked_fill_(df == 0, 0.0)
 
 
 def fit_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
