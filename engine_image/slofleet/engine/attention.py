@@ -66,6 +66,15 @@ class TorchAttention:
         k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
+    def plan(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             k_cache: torch.Tensor) -> dict:
+        """What a step's layers share (kept in meta.cache): "kernel", the rows the attention kernels take and their
+        int32 arguments; "decode_chunks" and "prefill_info", the rows the torch ops take; "store", whether the
+        KV-store kernel takes the new K/V."""
+        if meta.cache is None:
+            meta.cache = self._plan(meta, q, k, v, k_cache)
+        return meta.cache
+
     def _plan(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               k_cache: torch.Tensor) -> dict:
         """Gather indices and masks shared by all layers of one step; the KV store, decodes and prefill chunks go to
@@ -156,9 +165,7 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.cache is None:
-            meta.cache = self._plan(meta, q, k, v, k_cache)
-        plan = meta.cache
+        plan = self.plan(meta, q, k, v, k_cache)
         self.write(k, v, k_cache, v_cache, meta.slot_mapping, plan["store"])
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         kernel = plan["kernel"]

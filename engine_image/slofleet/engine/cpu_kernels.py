@@ -126,6 +126,13 @@ def prefill_takes(heads: int, kv_heads: int, head_dim: int, kind: str = "paged_p
                                  head_dim, 1, 1.0, 1, 1) == 0
 
 
+def prefill_kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
+    """The prefill-attention kernel for these shapes: on AMX, bf16 with both products on the tiles."""
+    if dtype == torch.bfloat16 and tiles() and prefill_takes(heads, kv_heads, head_dim, "tile_prefill"):
+        return "tile_prefill"
+    return "paged_prefill"
+
+
 def attend(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            rows: torch.Tensor, query_start: torch.Tensor, query_len: torch.Tensor, seq_len: torch.Tensor,
            out: torch.Tensor, scale: float) -> None:
@@ -133,10 +140,7 @@ def attend(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     (a few query tokens a row) or the "prefill" one (chunks). block_tables, query_start, query_len and seq_len are
     int32 and contiguous, one entry per batch row; the rows' new K/V are in the cache already."""
     heads, d = q.shape[1], q.shape[2]
-    name = f"paged_{kind}"
-    if kind == "prefill" and q.dtype == torch.bfloat16 and tiles() and prefill_takes(heads, k_cache.shape[2], d,
-                                                                                     "tile_prefill"):
-        name = "tile_prefill"  # on AMX: both products on the tiles
+    name = prefill_kernel(q.dtype, heads, k_cache.shape[2], d) if kind == "prefill" else "paged_decode"
     rc = getattr(load(), name)(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), rows.data_ptr(), len(rows), query_start.data_ptr(), query_len.data_ptr(),
