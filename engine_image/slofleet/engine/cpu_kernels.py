@@ -1,5 +1,5 @@
 """The engine's CPU kernels (paged_attention.cpp, prefill_attention.cpp, tile_attention.cpp, fused_ops.cpp,
-small_gemm.cpp, tile_gemm.cpp, dot_gemm.cpp):
+small_gemm.cpp, tile_gemm.cpp, dot_gemm.cpp, and layer_stack.cpp, which runs a step's layers through them):
 built once per machine, called with ctypes.
 
 They are plain C++, not a torch extension, so building takes seconds with the system's compiler and needs no torch
@@ -28,7 +28,8 @@ from .loader import cache_root
 log = logging.getLogger("slofleet.engine.kernel")
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "tile_attention.cpp",
-                                    "fused_ops.cpp", "small_gemm.cpp", "tile_gemm.cpp", "dot_gemm.cpp")]
+                                    "fused_ops.cpp", "small_gemm.cpp", "tile_gemm.cpp", "dot_gemm.cpp",
+                                    "layer_stack.cpp")]
 HEADERS = [HERE / "cpu_kernels.h", HERE / "forms.h"]
 # No contraction of a * b + c into one FMA: the torch ops these replace round the product first.
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC",
@@ -55,6 +56,7 @@ SIGNATURES = {
     "tile_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32, _i32],
     "form_unpack": [_ptr, _i64, _i64, _i32, _ptr, _i32],
     "dot_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32],
+    "layer_stack": [_ptr, _ptr, _i64, _ptr],
 }
 TILE = 32  # the bf16 kernels take N and K in multiples of this
 # Rows up to which the tile kernel unpacks a quantised form's panels itself (tile_gemm.cpp's CHUNK of 32-row blocks:

@@ -12,6 +12,7 @@ from torch import nn
 
 from . import cpu_kernels, quant
 from .attention import AttentionBackend, AttentionMetadata
+from .layer_stack import LayerStack
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -177,6 +178,7 @@ class CausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, self.layers[0].head_dim, max_len)
+        self.stack: LayerStack | None = None  # pack() builds it where the CPU kernels take every layer
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -184,8 +186,12 @@ class CausalLM(nn.Module):
         """Logits (fp32) for the rows in logits_indices only: prompt positions never reach the LM head."""
         x, delta = self.embed_tokens(input_ids), None
         cos, sin = self.rotary.at(positions)
-        for layer, (kc, vc) in zip(self.layers, kv_caches):
-            x, delta = layer(x, delta, cos, sin, kc, vc, meta)
+        stacked = None if self.stack is None else self.stack.run(x, cos, sin, kv_caches, meta)
+        if stacked is not None:
+            x, delta = stacked
+        else:
+            for layer, (kc, vc) in zip(self.layers, kv_caches):
+                x, delta = layer(x, delta, cos, sin, kc, vc, meta)
         logits = dense(self.norm(x[logits_indices], delta[logits_indices]), self.lm_head)
         if logits.dtype == torch.float32:  # to() hands an fp32 tensor back as it is, whatever memory_format says
             return logits.contiguous()
@@ -211,6 +217,7 @@ class CausalLM(nn.Module):
                 m.panels, m.paired = panels, paired and panels.dtype != torch.float32
                 if m.weight is not self.embed_tokens.weight:
                     m.weight = nn.Parameter(m.weight.new_empty(0, m.in_features), requires_grad=False)
+        self.stack = LayerStack.build(self)
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Fill the fused parameters from Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...)."""

@@ -1,0 +1,100 @@
+// A step's decoder layers in one call: the kernels the Python layer calls one by one (fused_ops.cpp, tile_gemm.cpp,
+// dot_gemm.cpp, paged_attention.cpp, prefill_attention.cpp, tile_attention.cpp), in the same order on the same
+// buffers, so the same bits. At a decode step's few rows, the Python between those calls (argument checks, views,
+// ctypes marshalling, tensor allocations) cost about as much as a kernel, nine times a layer (layer_stack.py).
+#include <cstdint>
+
+extern "C" {
+void add_rms_norm(void *x, const void *y, int64_t y_row, int64_t y_col, const void *w, void *out, int64_t rows,
+                  int64_t hidden, float eps, int bf16, int threads);
+void rope(void *qk, int64_t row, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t dim, int bf16,
+          int threads);
+void kv_store(const void *k, int64_t k_row, const void *v, int64_t v_row, void *k_cache, void *v_cache,
+              const int64_t *slots, int64_t rows, int64_t width, int threads);
+int tile_gemm(const uint16_t *x, int64_t x_row, const void *wp, uint16_t *y, int64_t y_row, int64_t m_len,
+              int64_t n_len, int64_t k_len, int silu, int form, int threads);
+int dot_gemm(const uint16_t *x, int64_t x_row, const uint16_t *wp, uint16_t *y, int64_t y_row, int64_t m_len,
+             int64_t n_len, int64_t k_len, int silu, int threads);
+using Attention = int (*)(const void *, int64_t, int64_t, const void *, const void *, const int32_t *, int64_t,
+                          const int32_t *, int, const int32_t *, const int32_t *, const int32_t *, void *, int, int, int,
+                          int, float, int, int);
+int paged_decode(const void *, int64_t, int64_t, const void *, const void *, const int32_t *, int64_t, const int32_t *,
+                 int, const int32_t *, const int32_t *, const int32_t *, void *, int, int, int, int, float, int, int);
+int paged_prefill(const void *, int64_t, int64_t, const void *, const void *, const int32_t *, int64_t,
+                  const int32_t *, int, const int32_t *, const int32_t *, const int32_t *, void *, int, int, int, int,
+                  float, int, int);
+int tile_prefill(const void *, int64_t, int64_t, const void *, const void *, const int32_t *, int64_t,
+                 const int32_t *, int, const int32_t *, const int32_t *, const int32_t *, void *, int, int, int, int,
+                 float, int, int);
+}
+
+// The model's shapes and kernels, fixed at load. gemm: 1 tile_gemm, 2 dot_gemm (bf16 weights, gate/up paired).
+struct StackShape {
+    int64_t hidden, heads, kv_heads, head_dim, inter, block_size, gemm, prefill, threads;  // prefill: 0 paged, 1 tile
+    float eps, scale;
+};
+
+// One layer's packed weights (and their forms.h forms), norms and KV cache.
+struct StackLayer {
+    const void *in_norm, *post_norm, *qkv, *o, *gate_up, *down;
+    void *k_cache, *v_cache;
+    int64_t qkv_form, o_form, gate_up_form, down_form;
+};
+
+// One step: x [T, hidden] (the residual stream, in and out), delta [T, hidden] (out: the last layer's), scratch h
+// [T, hidden], qkv [T, (heads + 2 kv_heads) head_dim], attn [T, heads head_dim], act [T, inter]; cos/sin [T,
+// head_dim]; the attention kernels' int32 rows and per-row tables, starts, query and context lengths.
+struct StackStep {
+    void *x, *delta, *h, *qkv, *attn, *act;
+    const float *cos, *sin;
+    const int64_t *slots;
+    const int32_t *tables, *decodes, *prefills, *starts, *qlens, *lens;
+    int64_t tokens, table_stride, n_decodes, n_prefills;
+};
+
+namespace {
+
+int gemm(const StackShape &s, const void *x, int64_t x_row, const void *w, int64_t form, void *y, int64_t y_row,
+         int64_t n, int64_t k, int silu, int64_t m) {
+    auto xs = static_cast<const uint16_t *>(x);
+    auto ys = static_cast<uint16_t *>(y);
+    if (s.gemm == 1) return tile_gemm(xs, x_row, w, ys, y_row, m, n, k, silu, int(form), int(s.threads));
+    if (form) return -1;
+    return dot_gemm(xs, x_row, static_cast<const uint16_t *>(w), ys, y_row, m, n, k, silu, int(s.threads));
+}
+
+int attend(const StackShape &s, const StackStep &t, const StackLayer &l, int64_t qkv_row, Attention kernel,
+           const int32_t *rows, int64_t n_rows) {
+    if (!n_rows) return 0;
+    return kernel(t.qkv, qkv_row, s.head_dim, l.k_cache, l.v_cache, t.tables, t.table_stride, rows, int(n_rows),
+                  t.starts, t.qlens, t.lens, t.attn, int(s.heads), int(s.kv_heads), int(s.head_dim),
+                  int(s.block_size), s.scale, 1, int(s.threads));
+}
+
+}  // namespace
+
+// Runs layers [0, n_layers) over the step; the first adds no delta before its norm. Returns 0, or -1 when a kernel
+// refused its shapes (layer_stack.py checks them at load: a guard only), with x and delta then undefined.
+extern "C" int layer_stack(const StackShape *shape, const StackLayer *layers, int64_t n_layers, const StackStep *step) {
+    const StackShape &s = *shape;
+    const StackStep &t = *step;
+    int64_t hd = s.head_dim, nq = s.heads * hd, nkv = s.kv_heads * hd, qkv_row = nq + 2 * nkv, m = t.tokens;
+    int th = int(s.threads);
+    Attention prefill = s.prefill ? tile_prefill : paged_prefill;
+    auto q = static_cast<uint16_t *>(t.qkv);
+    for (int64_t i = 0; i < n_layers; i++) {
+        const StackLayer &l = layers[i];
+        add_rms_norm(t.x, i ? t.delta : nullptr, s.hidden, 1, l.in_norm, t.h, m, s.hidden, s.eps, 1, th);
+        int rc = gemm(s, t.h, s.hidden, l.qkv, l.qkv_form, t.qkv, qkv_row, qkv_row, s.hidden, 0, m);
+        rope(t.qkv, qkv_row, t.cos, t.sin, m, s.heads + s.kv_heads, hd, 1, th);
+        kv_store(q + nq, qkv_row * 2, q + nq + nkv, qkv_row * 2, l.k_cache, l.v_cache, t.slots, m, nkv * 2, th);
+        rc |= attend(s, t, l, qkv_row, paged_decode, t.decodes, t.n_decodes);
+        rc |= attend(s, t, l, qkv_row, prefill, t.prefills, t.n_prefills);
+        rc |= gemm(s, t.attn, nq, l.o, l.o_form, t.delta, s.hidden, s.hidden, nq, 0, m);
+        add_rms_norm(t.x, t.delta, s.hidden, 1, l.post_norm, t.h, m, s.hidden, s.eps, 1, th);
+        rc |= gemm(s, t.h, s.hidden, l.gate_up, l.gate_up_form, t.act, s.inter, 2 * s.inter, s.hidden, 1, m);
+        rc |= gemm(s, t.act, s.inter, l.down, l.down_form, t.delta, s.hidden, s.hidden, s.inter, 0, m);
+        if (rc) return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,66 @@
+"""The layer stack (layer_stack.py, layer_stack.cpp): a step's decoder layers in one call into the CPU kernels give
+the layers' own loop's tokens and logprobs bit for bit, on decode steps, on steps that mix decodes with prompt chunks
+over a cached context, and with drafted tokens; steps it does not take (more rows than cpu_kernels.DIRECT_ROWS) run
+the loop."""
+from __future__ import annotations
+
+import pytest
+
+from slofleet.engine import LLM, SamplingParams, cpu_kernels
+from slofleet.engine.layer_stack import GEMMS, LayerStack
+from slofleet.engine.model import CausalLM
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None or cpu_kernels.bf16_gemm() not in GEMMS,
+                                reason="no bf16 GEMM kernel (AMX or AVX512-BF16) on this CPU")
+
+PROMPTS = ["The capital of France is", "List three prime numbers:", "def fibonacci(n):",
+           "Once upon a time " * 60, "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4,"]
+
+
+def generate(stacked: bool, monkeypatch, **config) -> tuple[list, list[tuple[int, ...]], LLM]:
+    """Outputs, and the query lengths of every step the stack ran, with the stack on or off."""
+    llm = LLM(dtype="bfloat16", max_num_seqs=8, **config)
+    model = llm.engine.runner.model
+    steps: list[tuple[int, ...]] = []
+    if stacked:
+        assert isinstance(model.stack, LayerStack)
+        run = LayerStack.run
+
+        def recorded(self, x, cos, sin, kv_caches, meta):
+            out = run(self, x, cos, sin, kv_caches, meta)
+            if out is not None:
+                steps.append(tuple(meta.query_lens_host))
+            return out
+
+        monkeypatch.setattr(LayerStack, "run", recorded)
+    else:
+        model.stack = None
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    return [(o.token_ids, o.logprobs) for o in llm.generate(PROMPTS, params)], steps, llm
+
+
+@pytest.mark.parametrize("forms", [True, False], ids=["gguf forms", "bf16 tiles"])
+def test_stacked_steps_give_the_loops_tokens_and_logprobs(forms, monkeypatch):
+    if not forms:
+        monkeypatch.setattr(CausalLM, "forms", lambda self: {})
+    # 48 tokens a step: the long prompt's chunks run beside the others' decodes, over the context cached before them
+    with_stack, steps, _ = generate(True, monkeypatch, max_num_batched_tokens=48)
+    without, _, _ = generate(False, monkeypatch, max_num_batched_tokens=48)
+    assert with_stack == without
+    assert any(max(q) == 1 for q in steps), "no decode-only step ran stacked"
+    assert any(1 in q and max(q) > 1 for q in steps), "no step mixing decodes with a prompt chunk ran stacked"
+
+
+def test_drafted_tokens_verify_in_stacked_steps(monkeypatch):
+    spec = {"num_speculative_tokens": 3, "speculative_ngram": 2}
+    with_stack, steps, _ = generate(True, monkeypatch, **spec)
+    without, _, _ = generate(False, monkeypatch, **spec)
+    assert with_stack == without
+    assert any(1 < max(q) <= 4 and len(q) > 1 for q in steps), "no step with drafts ran stacked"
+
+
+def test_a_step_of_more_rows_than_the_kernels_unpack_runs_the_loop(monkeypatch):
+    _, steps, llm = generate(True, monkeypatch, max_num_batched_tokens=2048)
+    prompt_rows = sum(len(llm.tokenizer.encode(p)) for p in PROMPTS)
+    assert prompt_rows > cpu_kernels.DIRECT_ROWS and steps  # the first step prefills them all, then decodes stack
+    assert all(sum(q) <= cpu_kernels.DIRECT_ROWS for q in steps)
