@@ -15,17 +15,11 @@ int tile_gemm(const uint16_t *x, int64_t x_row, const void *wp, uint16_t *y, int
               int64_t n_len, int64_t k_len, int silu, int form, int threads);
 int dot_gemm(const uint16_t *x, int64_t x_row, const uint16_t *wp, uint16_t *y, int64_t y_row, int64_t m_len,
              int64_t n_len, int64_t k_len, int silu, int threads);
-using Attention = int (*)(const void *, int64_t, int64_t, const void *, const void *, const int32_t *, int64_t,
-                          const int32_t *, int, const int32_t *, const int32_t *, const int32_t *, void *, int, int, int,
-                          int, float, int, int);
-int paged_decode(const void *, int64_t, int64_t, const void *, const void *, const int32_t *, int64_t, const int32_t *,
-                 int, const int32_t *, const int32_t *, const int32_t *, void *, int, int, int, int, float, int, int);
-int paged_prefill(const void *, int64_t, int64_t, const void *, const void *, const int32_t *, int64_t,
-                  const int32_t *, int, const int32_t *, const int32_t *, const int32_t *, void *, int, int, int, int,
-                  float, int, int);
-int tile_prefill(const void *, int64_t, int64_t, const void *, const void *, const int32_t *, int64_t,
-                 const int32_t *, int, const int32_t *, const int32_t *, const int32_t *, void *, int, int, int, int,
-                 float, int, int);
+// paged_attention.cpp's paged_decode, prefill_attention.cpp's paged_prefill and tile_attention.cpp's tile_prefill
+using Attention = int(const void *, int64_t, int64_t, const void *, const void *, const int32_t *, int64_t,
+                      const int32_t *, int, const int32_t *, const int32_t *, const int32_t *, void *, int, int, int, int,
+                      float, int, int);
+Attention paged_decode, paged_prefill, tile_prefill;
 }
 
 // The model's shapes and kernels, fixed at load. gemm: 1 tile_gemm, 2 dot_gemm (bf16 weights, gate/up paired).
@@ -63,7 +57,7 @@ int gemm(const StackShape &s, const void *x, int64_t x_row, const void *w, int64
     return dot_gemm(xs, x_row, static_cast<const uint16_t *>(w), ys, y_row, m, n, k, silu, int(s.threads));
 }
 
-int attend(const StackShape &s, const StackStep &t, const StackLayer &l, int64_t qkv_row, Attention kernel,
+int attend(const StackShape &s, const StackStep &t, const StackLayer &l, int64_t qkv_row, Attention *kernel,
            const int32_t *rows, int64_t n_rows) {
     if (!n_rows) return 0;
     return kernel(t.qkv, qkv_row, s.head_dim, l.k_cache, l.v_cache, t.tables, t.table_stride, rows, int(n_rows),
@@ -80,7 +74,7 @@ extern "C" int layer_stack(const StackShape *shape, const StackLayer *layers, in
     const StackStep &t = *step;
     int64_t hd = s.head_dim, nq = s.heads * hd, nkv = s.kv_heads * hd, qkv_row = nq + 2 * nkv, m = t.tokens;
     int th = int(s.threads);
-    Attention prefill = s.prefill ? tile_prefill : paged_prefill;
+    Attention *prefill = s.prefill ? tile_prefill : paged_prefill;
     auto q = static_cast<uint16_t *>(t.qkv);
     for (int64_t i = 0; i < n_layers; i++) {
         const StackLayer &l = layers[i];

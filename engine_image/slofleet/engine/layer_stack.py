@@ -41,7 +41,6 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 @dataclass(slots=True, kw_only=True)
 class LayerStack:
-    layers: list  # the model's DecoderLayers
     attention: object  # their TorchAttention, whose plan sends rows to the kernels
     shape: Shape
     table: ctypes.Array  # one Layer a decoder layer; its caches set by bind()
@@ -72,7 +71,7 @@ class LayerStack:
                 setattr(entry, f"{name}_form", cpu_kernels.form_of(m.panels))
             entry.in_norm = layer.input_layernorm.weight.data_ptr()
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-        return cls(layers=layers, attention=first.attention, shape=shape, table=table)
+        return cls(attention=first.attention, shape=shape, table=table)
 
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self.bound is not kv_caches:
