@@ -128,7 +128,15 @@ inline void store_bf16(uint16_t *p, __m512 rounded, __mmask16 keep = 0xffff) {
     _mm256_mask_storeu_epi16(p, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
 }
 
+// Set once this process may use the tile registers (tile_gemm.cpp's tile_enable): a kernel that can run either way
+// checks it, since a tile instruction before that kills the process.
+inline bool tiles_granted = false;
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// Call between writing a buffer and loading tiles from it: GCC's tile load is an asm that declares no memory read, so
+// without this the compiler may drop or sink the buffer's stores (a decode kernel's Q^T tiles came out zero).
+[[gnu::always_inline]] inline void tile_fence() { asm volatile("" ::: "memory"); }
+
 // The tile unit's configuration (_tile_loadconfig): per tile register, its rows and bytes per row.
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0;

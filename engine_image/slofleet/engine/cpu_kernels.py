@@ -96,9 +96,12 @@ def load() -> ctypes.CDLL | None:
 
 
 def open_library(path: Path) -> ctypes.CDLL:
+    """The kernels at path, with this process granted the tile registers where the CPU has them: a kernel that runs
+    either way (decode attention) then takes the same path in every call, whoever asked for tiles() first."""
     lib = ctypes.CDLL(str(path))
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
+    lib.tile_enable()
     return lib
 
 

@@ -114,6 +114,7 @@ void item(const Prefill &p, int b, int kvh, int j0, int j1, const uint16_t *kc, 
         transpose16(x[h]);
         for (int dp = 0; dp < 16; dp++) _mm512_store_ps(qt[h][dp], x[h][dp]);
     }
+    tile_fence();
     std::memset(ot, 0, sizeof ot);
     __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps(), at = _mm512_load_ps(pos);
     const __m512 base2 = _mm512_set1_ps(p.scale * 1.44269504f), slack = _mm512_set1_ps(SLACK / p.scale);
@@ -158,6 +159,7 @@ void item(const Prefill &p, int b, int kvh, int j0, int j1, const uint16_t *kc, 
             sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
             _mm512_store_si512(pt[t / 2], pair16(e0, e1));
         }
+        tile_fence();
         l = _mm512_fmadd_ps(l, corr, sum);
         // O^T's next sums: 16 rows of D a tile, over both halves of the keys (P^T's two tiles)
         const uint32_t *v = vt + int64_t(start / (2 * PAIRS)) * D * PAIRS;

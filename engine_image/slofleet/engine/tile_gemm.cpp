@@ -101,6 +101,7 @@ void item(const uint16_t *x, int64_t x_row, const uint16_t *w0, const uint16_t *
             constexpr int64_t bytes = step_bytes(FORM);
             unpack_step<FORM>(src + k / KSTEP * bytes, fill + k * COLS);
             unpack_step<FORM>(src + (k_len + k) / KSTEP * bytes, fill + (k_len + k) * COLS);
+            tile_fence();
         }
 #endif
         _tile_loadd(6, w0 + k * COLS, 64);  // KSTEP / 2 rows of 16 pairs: k * COLS elements in
@@ -145,7 +146,9 @@ void item(const uint16_t *x, int64_t x_row, const uint16_t *w0, const uint16_t *
 // 0 when this process may use the tile registers (Linux asks each process to request them), else -1.
 extern "C" int tile_enable() {
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return -1;
+    tiles_granted = true;
+    return 0;
 }
 
 namespace {
