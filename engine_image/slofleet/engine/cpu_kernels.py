@@ -30,7 +30,7 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "tile_attention.cpp",
                                     "fused_ops.cpp", "small_gemm.cpp", "tile_gemm.cpp", "dot_gemm.cpp",
                                     "layer_stack.cpp")]
-HEADERS = [HERE / "cpu_kernels.h", HERE / "forms.h"]
+HEADERS = [HERE / "cpu_kernels.h", HERE / "forms.h", HERE / "decode_tiles.h"]
 # No contraction of a * b + c into one FMA: the torch ops these replace round the product first.
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC",
          "-shared"]
