@@ -352,3 +352,21 @@ def test_the_kv_store_puts_rows_where_index_copy_does(dtype, rows):
     TorchAttention.write(k, v, caches[1][0], caches[1][1], slots, kernel=False)
     assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], held)
     assert not cpu_kernels.kv_store_usable(k, v, caches[0][0], slots.int())  # int32 slots: index_copy_ takes them
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 7, 16, 33, 1000, 49152])
+def test_argmax_finds_each_rows_first_maximum_as_torch_does(dtype, width):
+    """Ties go to the first index (in the vector part, across lanes, and in the tail), an all -inf row to 0, and a row
+    holding a NaN hands the batch back to torch."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn((6, width), generator=gen).to(dtype)
+    x[1, -1] = x[1, width // 2] = 50.0  # a tie: the earlier wins
+    x[2] = float("-inf")
+    x[3, :] = 7.0  # every value the maximum
+    x[4, 0] = 60.0
+    got = cpu_kernels.argmax(x)
+    assert got is not None and torch.equal(got, x.float().max(-1).indices)
+    x[5, width - 1] = float("nan")
+    assert cpu_kernels.argmax(x) is None
+    assert cpu_kernels.argmax(x[:, :1].expand(6, 3)) is None  # strided rows: not the kernel's

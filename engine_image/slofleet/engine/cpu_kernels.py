@@ -57,6 +57,7 @@ SIGNATURES = {
     "form_unpack": [_ptr, _i64, _i64, _i32, _ptr, _i32],
     "dot_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32],
     "layer_stack": [_ptr, _ptr, _i64, _ptr],
+    "argmax_rows": [_ptr, _i64, _i64, _i64, _i32, _ptr, _i32],
 }
 TILE = 32  # the bf16 kernels take N and K in multiples of this
 # Rows up to which the tile kernel unpacks a quantised form's panels itself (tile_gemm.cpp's CHUNK of 32-row blocks:
@@ -153,6 +154,17 @@ def attend(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"paged {kind} kernel refused heads={heads} kv_heads={k_cache.shape[2]} head_dim={d}")
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """Each row's first maximum of x [rows, n] (logits in the LM head's dtype), as torch.max(-1).indices gives it;
+    None where the kernel does not take x or a row holds a NaN (torch's answer then depends on where it is)."""
+    if x.dim() != 2 or x.stride(-1) != 1 or not usable(x):
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    load().argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], DTYPES[x.dtype], out.data_ptr(),
+                       torch.get_num_threads())
+    return None if bool((out < 0).any()) else out
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -164,3 +164,50 @@ extern "C" void kv_store(const void *k, int64_t k_row, const void *v, int64_t v_
         std::memcpy(static_cast<char *>(v_cache) + slots[t] * width, static_cast<const char *>(v) + t * v_row, width);
     }
 }
+
+namespace {
+
+// The index of row's first maximum over n values, or -1 where the row holds a NaN (torch.max's answer then depends
+// on where the NaN is: the caller asks torch). Per lane, a later value replaces the lane's best only when greater,
+// so among the lanes that hold the maximum the smallest index is the first.
+template <bool BF16>
+int64_t first_max(const void *row, int64_t n) {
+    float best = -INFINITY;
+    int64_t at = 0, i = 0;
+    bool nan = false;
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 bv = _mm512_set1_ps(-INFINITY);
+        __m512i bi = _mm512_setzero_si512(), idx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i step = _mm512_set1_epi32(16);
+        __mmask16 unordered = 0;
+        for (; i + 16 <= n; i += 16, idx = _mm512_add_epi32(idx, step)) {
+            __m512 v = load16<BF16>(row, i);
+            unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            __mmask16 up = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ);
+            bv = _mm512_mask_mov_ps(bv, up, v), bi = _mm512_mask_mov_epi32(bi, up, idx);
+        }
+        nan = unordered != 0;
+        best = _mm512_reduce_max_ps(bv);
+        at = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(bv, _mm512_set1_ps(best), _CMP_EQ_OQ), bi);
+    }
+#endif
+    for (; i < n; i++) {
+        float v = ld<BF16>(row, i);
+        nan |= v != v;
+        if (v > best) best = v, at = i;
+    }
+    return nan ? -1 : at;
+}
+
+}  // namespace
+
+// Per row of x [rows, n] (rows x_row elements apart), the index of its first maximum into out (-1: the row holds a
+// NaN): greedy sampling's argmax on the LM head's own dtype, without widening the logits to fp32 first.
+extern "C" void argmax_rows(const void *x, int64_t x_row, int64_t rows, int64_t n, int bf16, int64_t *out,
+                            int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_ELEMS)
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = bf16 ? first_max<true>(static_cast<const uint16_t *>(x) + r * x_row, n)
+                      : first_max<false>(static_cast<const float *>(x) + r * x_row, n);
+}

@@ -183,7 +183,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits (fp32) for the rows in logits_indices only: prompt positions never reach the LM head."""
+        """Logits, contiguous and in the model's dtype (the sampler widens what it needs), for the rows in
+        logits_indices only: prompt positions never reach the LM head."""
         x, delta = self.embed_tokens(input_ids), None
         cos, sin = self.rotary.at(positions)
         stacked = None if self.stack is None else self.stack.run(x, cos, sin, kv_caches, meta)
@@ -192,10 +193,7 @@ class CausalLM(nn.Module):
         else:
             for layer, (kc, vc) in zip(self.layers, kv_caches):
                 x, delta = layer(x, delta, cos, sin, kc, vc, meta)
-        logits = dense(self.norm(x[logits_indices], delta[logits_indices]), self.lm_head)
-        if logits.dtype == torch.float32:  # to() hands an fp32 tensor back as it is, whatever memory_format says
-            return logits.contiguous()
-        return logits.to(torch.float32, memory_format=torch.contiguous_format)  # one copy, not .float().contiguous()
+        return dense(self.norm(x[logits_indices], delta[logits_indices]), self.lm_head).contiguous()
 
     def forms(self) -> dict[int, quant.Form]:
         """The exact GGUF forms (quant.recover) of this model's fp32 projection weights, the LM head's included, by id

