@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_kernels.h"
 #include "decode_tiles.h"
@@ -153,15 +154,18 @@ void attend_vec(const float *qv, const Row &r, float scale, float *out) {
         for (int h = 0; h < G; h++) {
             float mx = m[h], sum = 0.0f;
             for (int j = 0; j < S; j++) mx = std::max(mx, V::max(V::loadu(s[h] + j * V::N)));
-            float corr = m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mx);
             for (int j = 0; j < S; j++) {
                 T e = V::exp(V::sub(V::loadu(s[h] + j * V::N), V::set1(mx)));
                 sum += V::sum(e);
                 V::storeu(s[h] + j * V::N, e);
             }
-            l[h] = l[h] * corr + sum;
-            m[h] = mx;
-            for (int c = 0; c < C; c++) acc[h][c] = V::mul(acc[h][c], V::set1(corr));
+            if (mx != m[h]) {  // as attend_dot: x 1 skipped
+                float corr = m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mx);
+                l[h] *= corr;
+                for (int c = 0; c < C; c++) acc[h][c] = V::mul(acc[h][c], V::set1(corr));
+                m[h] = mx;
+            }
+            l[h] += sum;
         }
         for (int t = 0; t < n; t++) {
             T vv[C];
@@ -234,14 +238,17 @@ void attend_dot(const float *qv, const Row &r, float scale, float *out) {
         for (int h = 0; h < G; h++) {
             __m512 s = _mm512_load_ps(scores[h]);
             float mx = std::max(m[h], _mm512_reduce_max_ps(s));
-            __m512 corr = _mm512_set1_ps(m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mx));
             __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx)));
-            l[h] = l[h] * _mm512_cvtss_f32(corr) + _mm512_reduce_add_ps(e);
-            m[h] = mx;
+            if (mx != m[h]) {  // rescale what came before (x 1 where the max stays: the same bits, skipped)
+                __m512 corr = _mm512_set1_ps(m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mx));
+                l[h] *= _mm512_cvtss_f32(corr);
+                for (int c = 0; c < C; c++)
+                    lo[h][c] = _mm512_mul_ps(lo[h][c], corr), hi[h][c] = _mm512_mul_ps(hi[h][c], corr);
+                m[h] = mx;
+            }
+            l[h] += _mm512_reduce_add_ps(e);
             __m256bh rounded = _mm512_cvtneps_pbh(e);
             std::memcpy(p[h], &rounded, sizeof(rounded));
-            for (int c = 0; c < C; c++)
-                lo[h][c] = _mm512_mul_ps(lo[h][c], corr), hi[h][c] = _mm512_mul_ps(hi[h][c], corr);
         }
         for (int t = 0; t < n; t += 2) {
             const uint16_t *b = t + 1 < n ? v0 + (t + 1) * r.stride : ZERO_ROW;
@@ -306,6 +313,9 @@ extern "C" int paged_decode(const void *q, int64_t q_tok, int64_t q_head, const 
     // side by side, so the first head's pass brings the others' lines into the cache as one sequential stream.
     // With few rows (a lone long decode), each (row, head) is an item, so every thread has work.
     int per_item = n_rows >= 2 * threads ? kv_heads : 1;
+    // Rows longest context first, so the dynamic schedule ends with short items and the threads finish together
+    std::vector<int> order(rows, rows + n_rows);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return seq_len[a] > seq_len[b]; });
     // The scores on the tile unit where this process may use it and every slice is 16 keys of one block
 #if defined(SLOFLEET_TILE_DECODE)
     const bool tile = bf16 && tiles_granted && block_size % SLICE == 0;
@@ -321,7 +331,7 @@ extern "C" int paged_decode(const void *q, int64_t q_tok, int64_t q_head, const 
     for (int item = 0; item < n_rows * kv_heads / per_item; item++) {
         float qv[MAX_G * MAX_D], acc[MAX_G * MAX_D];
         for (int part = 0; part < per_item; part++) {
-            int b = rows[(item * per_item + part) / kv_heads], kvh = (item * per_item + part) % kv_heads;
+            int b = order[(item * per_item + part) / kv_heads], kvh = (item * per_item + part) % kv_heads;
             int q_n = query_len[b];
             for (int j = 0; j < q_n; j++) {
                 int64_t tok = query_start[b] + j;
