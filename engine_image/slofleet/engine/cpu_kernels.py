@@ -65,14 +65,15 @@ TILE = 32  # the bf16 kernels take N and K in multiples of this
 DIRECT_ROWS = 256
 
 
-def build(out: Path, flags: list[str] = FLAGS) -> None:
+def build(out: Path, flags: list[str] = FLAGS, sources: list[Path] | None = None) -> None:
+    """The kernels' shared object at out, from SOURCES (or `sources`: another revision's, for a benchmark)."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise FileNotFoundError("no C++ compiler (c++ or g++) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # a whole file or none: builds may race
         part = Path(tmp) / out.name
-        subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", str(part)], check=True, capture_output=True,
+        subprocess.run([cxx, *flags, *map(str, sources or SOURCES), "-o", str(part)], check=True, capture_output=True,
                        text=True, timeout=180)
         os.replace(part, out)
 
