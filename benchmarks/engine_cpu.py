@@ -20,9 +20,10 @@ stolen were 15-25% slower than runs with under 1%, more than the share itself (a
 slowest thread). llama.cpp (llama-cpp-python, sequential, on the same GGUF) is included when installed.
 
 Beside it, a memory floor the FLOP limit leaves out: every decode step reads all the weights (134.5M parameters) as
-LLM() holds them (bf16, fp32, or a Q4_1 checkpoint's projections in their 5 bits: quant.py), at best at the machine's
-read bandwidth measured in the same run; prefill at the GEMM rate plus 31 such steps gives the fraction of the FLOP
-limit an engine holding those bytes could reach here.
+LLM() holds them (bf16, fp32, or a Q4_1 checkpoint's projections in their 5 bits: quant.py) and, for each row, the K
+and V of every token before it in every layer (in LLM()'s cache dtype), at best at the machine's read bandwidth
+measured in the same run; prefill at the GEMM rate plus 31 such steps gives the fraction of the FLOP limit an engine
+holding those bytes could reach here.
 
 --speculative K adds LLM(num_speculative_tokens=K) (n-gram drafts) beside LLM() defaults, on this workload and on a
 quoting one (the same notes, each prompt asking for them back word for word; rows marked [quote]), in the same
@@ -132,10 +133,24 @@ def weight_bytes(model) -> int:
     return sum(m.panels.nbytes if m.panels is not None else m.weight.nbytes for m in layers)
 
 
-def floor_seconds(rates: dict[str, dict[str, float]], prompt_tokens: int, gbps: float, weights: int) -> float:
-    """Prefill at the GEMM rate, then each decode step at least one read of `weights` bytes (see the docstring)."""
-    step = max(N_PROMPTS * DECODE_FLOP / (max(rates["decode 16"].values()) * 1e9), weights / (gbps * 1e9))
-    return prefill_seconds(rates, prompt_tokens) + (OUT_TOKENS - 1) * step
+def kv_token_bytes(model_runner) -> int:
+    """The bytes of K and V one token holds in a runner's cache, over all its layers."""
+    caches = model_runner.kv_caches
+    return sum(k.nbytes + v.nbytes for k, v in caches) // (caches[0][0].shape[0] * caches[0][0].shape[1])
+
+
+def decode_kv_bytes(prompt_tokens: int, per_token: int) -> list[int]:
+    """The cache bytes each decode step reads: at step s (1-31) every row attends its prompt and s tokens more."""
+    return [(prompt_tokens + N_PROMPTS * s) * per_token for s in range(1, OUT_TOKENS)]
+
+
+def floor_seconds(rates: dict[str, dict[str, float]], prompt_tokens: int, gbps: float, weights: int,
+                  kv_token: int) -> float:
+    """Prefill at the GEMM rate, then each decode step at least one read of `weights` bytes and its rows' KV cache
+    (see the docstring), or its FLOPs at the GEMM rate where they take longer."""
+    flop = N_PROMPTS * DECODE_FLOP / (max(rates["decode 16"].values()) * 1e9)
+    return prefill_seconds(rates, prompt_tokens) + sum(max(flop, (weights + kv) / (gbps * 1e9))
+                                                       for kv in decode_kv_bytes(prompt_tokens, kv_token))
 
 
 def run_hf_generate(model, ids) -> int:
@@ -187,7 +202,7 @@ def serve_transformers(conn) -> None:
         conn.send(runs[kind](hf, ids))
 
 
-HELD: dict[str, int] = {}  # the weight bytes LLM() defaults holds ("defaults"), for the memory floor
+HELD: dict[str, int] = {}  # LLM() defaults' weight bytes ("weights") and KV bytes a token ("kv"), for the memory floor
 
 # Per slofleet row, per call: engine steps, draft tokens, accepted ones (which the machine's load does not move),
 # and the process's CPU seconds (which other processes on a shared machine move less than its wall time).
@@ -243,7 +258,7 @@ def systems(args) -> list[tuple[str, object]]:
             out.append((f"slofleet LLM(dtype={dtype})", lambda ids, t, e=llm: run_slofleet(e, ids, t)))
     if "defaults" not in args.skip or args.speculative:
         llm = LLM()
-        HELD["defaults"] = weight_bytes(llm.engine.runner.model)
+        HELD.update(weights=weight_bytes(llm.engine.runner.model), kv=kv_token_bytes(llm.engine.runner))
         name = f"slofleet LLM() defaults ({str(llm.engine.runner.dtype).removeprefix('torch.')})"
         out.append((name, lambda ids, t, e=llm, n=name: run_slofleet(e, ids, t, n)))
     if args.speculative:
@@ -312,10 +327,13 @@ def main() -> int:
     torch_limit = statistics.median(N_PROMPTS * OUT_TOKENS / limit_seconds(torch_only(g), sum(map(len, ids)))
                                     for g in gemm)
     print(f"  with torch's GEMMs only (the engine's kernels left out): {torch_limit:.1f} tok/s")
-    gbps, held = read_gbps(), HELD.get("defaults", int(DECODE_FLOP))  # bf16 where no LLM() ran
-    floor = statistics.median(N_PROMPTS * OUT_TOKENS / floor_seconds(g, sum(map(len, ids)), gbps, held) for g in gemm)
-    print(f"memory floor: the {held / 1e6:.0f} MB of weights LLM() reads a decode step, at {gbps:.1f} GB/s, bound an "
-          f"engine to {floor:.1f} tok/s, {floor / limit:.0%} of the FLOP limit")
+    # where no LLM() ran: bf16 weights, and a bf16 cache of the embedded model's 30 layers of 3 KV heads of 64
+    gbps, held, kv = read_gbps(), HELD.get("weights", int(DECODE_FLOP)), HELD.get("kv", 2 * 30 * 3 * 64 * 2)
+    prompt_tokens = sum(map(len, ids))
+    floor = statistics.median(N_PROMPTS * OUT_TOKENS / floor_seconds(g, prompt_tokens, gbps, held, kv) for g in gemm)
+    print(f"memory floor: a decode step reads the {held / 1e6:.0f} MB of weights LLM() holds and its rows' KV cache "
+          f"({statistics.mean(decode_kv_bytes(prompt_tokens, kv)) / 1e6:.0f} MB on average), at {gbps:.1f} GB/s: "
+          f"an engine is bound to {floor:.1f} tok/s, {floor / limit:.0%} of the FLOP limit")
     base = statistics.median(rates.get("transformers generate_batch(), fp32", [0])) or None
     print(f"{'system':45s} {'tok/s (median)':>15s} {'x generate_batch':>17s} {'of limit':>9s} {'of torch limit':>15s} "
           f"{'stolen':>7s}")
