@@ -60,6 +60,7 @@ def test_drafted_tokens_verify_in_stacked_steps(monkeypatch):
 
 
 def test_a_step_of_more_rows_than_the_kernels_unpack_runs_the_loop(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "DIRECT_ROWS", 128)  # below these prompts' rows, so one step needs no long prompt
     _, steps, llm = generate(True, monkeypatch, max_num_batched_tokens=2048)
     prompt_rows = sum(len(llm.tokenizer.encode(p)) for p in PROMPTS)
     assert prompt_rows > cpu_kernels.DIRECT_ROWS and steps  # the first step prefills them all, then decodes stack

@@ -13,8 +13,8 @@
 // W may also come in a checkpoint's quantised form (forms.h: 5 bits a weight for Q4_1, 8.5 for Q8_0): a thread's first
 // item on a pair of panels unpacks each k-step's two tiles as it goes, into a buffer its later items on the pair read
 // as bf16 tiles, so a decode step reads 3x fewer bytes of weights and the unpacking overlaps the tile unit's work
-// (unpacking the pair first, then multiplying, ran 30 layers at 16 rows in 8.5 ms against 5.5). Past one chunk of
-// rows (a prefill), the caller unpacks the whole W once (form_unpack) instead, where each chunk would unpack it again.
+// (unpacking the pair first, then multiplying, ran 30 layers at 16 rows in 8.5 ms against 5.5); each chunk of rows
+// unpacks it again, so past cpu_kernels.DIRECT_ROWS the caller unpacks the whole W once (form_unpack) instead.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
