@@ -91,8 +91,8 @@ needs_tiles = pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.u
 @pytest.mark.parametrize("rows", [1, 16, 17, 33, 100, cpu_kernels.DIRECT_ROWS, cpu_kernels.DIRECT_ROWS + 1, 600])
 @pytest.mark.parametrize("paired,kind", [(False, "q4_1"), (True, "q4_1"), (False, "q8_0")])
 def test_the_gemm_on_the_form_is_the_bf16_gemm_bit_for_bit(rows, paired, kind):
-    """Up to DIRECT_ROWS rows, each thread unpacks a pair of panels once per chunk of rows; more unpack the whole
-    weight first: both give the bf16 kernel's bits, the SwiGLU epilogue's included."""
+    """Up to DIRECT_ROWS rows, each thread unpacks a pair of panels once per chunk of 512 rows (600: two chunks);
+    more unpack the whole weight first: both give the bf16 kernel's bits, the SwiGLU epilogue's included."""
     w, form = forms(192, 576, seed=rows, kind=kind)
     packed = cpu_kernels.pack(w, paired, form)
     bits = {"q4_1": 5, "q8_0": 8.5}[kind]

@@ -60,11 +60,11 @@ SIGNATURES = {
     "argmax_rows": [_ptr, _i64, _i64, _i64, _i32, _ptr, _i32],
 }
 TILE = 32  # the bf16 kernels take N and K in multiples of this
-# Rows up to which the tile kernel unpacks a quantised form's panels itself, once per chunk of rows (tile_gemm.cpp's
-# CHUNK), on their way to the tile unit; more unpack the whole weight into a buffer (212 MB a step for the embedded
-# model, out to memory and back) first. The embedded model's products over 10 layers, alternating on a 2-core AMX Xeon,
-# took 1.18x as long through the buffer at 384 rows, 1.09x at 768-2,048, 0.95x at 4,096 and 0.90x at 8,192; the
-# engine_cpu workload's prefill steps (2,048 and ~760 tokens, now in the layer stack) 446 -> 409 ms.
+# Rows up to which the tile kernel unpacks a quantised form's panels itself, once per chunk of 512 rows (tile_gemm.cpp),
+# on their way to the tile unit; more unpack the whole weight into a buffer (212 MB a step for the embedded model, out
+# to memory and back) first. The embedded model's products over 10 layers, alternating on a 2-core AMX Xeon, took 1.18x
+# as long through the buffer at 384 rows, 1.09x at 768-2,048, 0.95x at 4,096 and 0.90x at 8,192; the engine_cpu
+# workload's prefill steps (2,048 and ~760 tokens, now in the layer stack) 446 -> 409 ms.
 DIRECT_ROWS = 2048
 
 
