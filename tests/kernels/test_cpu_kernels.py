@@ -13,7 +13,9 @@ from slofleet.engine.attention import TorchAttention
 from slofleet.engine.model import RMSNorm, Rotary, rotate, silu_mul
 from tests.kernels.test_attention import make_batch
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler here to build the kernels")
+# Skipped only without a compiler: where there is one, a build that fails is a bug (the engine would fall back to the
+# torch ops in silence), and these tests fail on it.
+pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None, reason="no C++ compiler here to build the kernels")
 
 SPANS = [(1, 300), (1, 1), (1, 17), (5, 300), (1, 33), (17, 40), (20, 60), (33, 33), (4, 4), (1, 129)]
 # prefill chunks past one query block (48 rows a tile on AVX-512, 24 on AVX2) and one key tile, fresh and over a cache
@@ -106,6 +108,17 @@ def avx2_build(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def no_amx_build(tmp_path_factory):
+    """On an AMX CPU, the kernels also built without the tile unit, as for an AVX512-BF16 CPU without it, whose build
+    an AMX machine would otherwise never compile (the tile paths are templates its build instantiates)."""
+    if "amx_bf16" not in dtype_probe.cpu_model().split():
+        pytest.skip("no AMX here: the native build is the one without tiles, checked above")
+    path = tmp_path_factory.mktemp("kernels") / "no-amx.so"
+    cpu_kernels.build(path, [*cpu_kernels.FLAGS, "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"])
+    return cpu_kernels.open_library(path)
+
+
+@pytest.fixture(scope="module")
 def no_bf16_dot_build(tmp_path_factory):
     """On an AVX512-BF16 CPU, the kernels also built without that extension: a bf16 cache then takes the widening
     attention templates, as on AVX-512 CPUs before it, rather than the bf16 dot product."""
@@ -116,7 +129,7 @@ def no_bf16_dot_build(tmp_path_factory):
     return cpu_kernels.open_library(path)
 
 
-@pytest.mark.parametrize("build", ["avx2_build", "no_bf16_dot_build"])
+@pytest.mark.parametrize("build", ["avx2_build", "no_bf16_dot_build", "no_amx_build"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128)])
 def test_the_other_templates_match_the_gather_path_too(build, dtype, heads, kv_heads, dim, request, monkeypatch):
@@ -144,6 +157,10 @@ def test_shapes_it_does_not_take_go_to_torch():
     assert not cpu_kernels.attention_usable(torch.zeros(2, 8, 512), torch.zeros(1, 16, 2, 512))  # head dim over 256
     strided = torch.zeros(2, 8, 64)[..., ::2]
     assert not cpu_kernels.attention_usable(strided, torch.zeros(1, 16, 2, 32))
+
+
+def test_where_there_is_a_compiler_the_kernels_build():
+    assert cpu_kernels.load() is not None, "the kernels failed to build: see the warning logged above"
 
 
 def test_without_a_compiler_the_engine_keeps_the_torch_path(tmp_path, monkeypatch, caplog):

@@ -68,9 +68,13 @@ TILE = 32  # the bf16 kernels take N and K in multiples of this
 DIRECT_ROWS = 2048
 
 
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
 def build(out: Path, flags: list[str] = FLAGS, sources: list[Path] | None = None) -> None:
     """The kernels' shared object at out, from SOURCES (or `sources`: another revision's, for a benchmark)."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    cxx = compiler()
     if cxx is None:
         raise FileNotFoundError("no C++ compiler (c++ or g++) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)

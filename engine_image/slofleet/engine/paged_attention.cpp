@@ -208,21 +208,26 @@ void attend_dot(const float *qv, const Row &r, float scale, float *out) {
         }
     }
     bool odd = false;  // the tile the slice's scores are in: 5, else 0
+#if defined(SLOFLEET_TILE_DECODE)  // (TILE is only instantiated where it is defined)
     if constexpr (TILE) {
         load_queries<D, G>(q);
         issue_scores<D>(k + r.first(0), r.stride, false);
     }
+#endif
     for (int start = 0; start < r.visible;) {
         int n = r.span(start);
         const uint16_t *k0 = k + r.first(start), *v0 = v + r.first(start);
         r.prefetch<D, 2>(start + AHEAD);
+#if defined(SLOFLEET_TILE_DECODE)
         if constexpr (TILE) {
             __m512 dots[G];
             tile_dots<G>(odd, dots);
             for (int h = 0; h < G; h++) put_scores<V512>(dots[h], 0, n, scale, scores[h]);
             odd = !odd;
             if (start + n < r.visible) issue_scores<D>(k + r.first(start + n), r.stride, odd);
-        } else {
+        } else
+#endif
+        {
             __m512 dots[G][SLICE];
             for (int t = 0; t < n; t++) {
                 __m512i kr[C];
