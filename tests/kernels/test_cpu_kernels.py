@@ -249,8 +249,10 @@ def test_silu_mul_rounds_as_torch_in_bf16(rows, inter, monkeypatch):
 
 
 def gemm_cases():
-    """(rows, N, K): a lone decode, rows around the 6-row tile, a prefill chunk; K off the vector width too."""
-    return [(1, 64, 576), (5, 96, 100), (6, 32, 7), (7, 64, 576), (16, 960, 576), (33, 128, 1536), (300, 64, 48)]
+    """(rows, N, K): a lone decode, rows around the 8-row tile, a prefill chunk, prompts of several chunks of rows
+    (1 MiB of x each: 455 rows at K = 576, 170 at 1536; the last chunk short); K off the vector width too."""
+    return [(1, 64, 576), (5, 96, 100), (6, 32, 7), (7, 64, 576), (8, 64, 576), (9, 32, 100), (16, 960, 576),
+            (33, 128, 1536), (300, 64, 48), (1000, 64, 576), (900, 32, 1536)]
 
 
 @pytest.mark.parametrize("rows,n,k", gemm_cases())
