@@ -1,7 +1,7 @@
 """GGUF weights kept in their quantised forms (quant.py, forms.h): Q4_1 and Q8_0 found back exactly from what gguf
 dequantises, or not at all; unpacked to the very bf16 tiles the packed weight holds; the GEMM on them bit for bit the
-bf16 one; and an engine on the embedded model (Q4_1 projections, a Q8_0 embedding as its LM head) giving the same
-tokens and logprobs with and without them."""
+bf16 one (the tile kernel, AMX) or the fp32 one (form_gemm, AVX-512); and an engine on the embedded model (Q4_1
+projections, a Q8_0 embedding as its LM head) giving the same tokens and logprobs with and without them."""
 from __future__ import annotations
 
 import numpy as np
@@ -123,20 +123,44 @@ def model_dir():
     return loader.resolve("default")
 
 
+needs_fp32_forms = pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.unpacks(torch.float32),
+                                      reason="the fp32 kernel keeps GGUF forms on AVX-512; this CPU has none")
+
+
 @needs_kernels
-@needs_tiles
-def test_an_engine_gives_the_same_tokens_and_logprobs_with_the_forms(monkeypatch):
+@needs_fp32_forms
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 100, 1000])  # 1,000 at K = 1,536: six chunks of rows, each unpacking
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [576, 1536])
+def test_the_fp32_gemm_on_the_form_is_the_fp32_gemm_bit_for_bit(rows, kind, k):
+    """form_gemm unpacks each panel to the fp32 weights themselves, so its products are small_gemm's, bit for bit."""
+    w = gguf_weight(96, k, seed=rows, kind=kind)
+    packed = cpu_kernels.pack(w, False, quant.recover(w))
+    bits = {"q4_1": 5, "q8_0": 8.5}[kind]
+    assert packed.dtype == torch.uint8 and packed.dim() == 4 and packed.numel() * 8 == w.numel() * bits
+    x = torch.randn((rows, 2 * k), generator=torch.Generator().manual_seed(rows))[:, ::2]  # strided rows
+    got = cpu_kernels.gemm(x, packed)
+    assert torch.equal(got, cpu_kernels.gemm(x, cpu_kernels.pack(w)))
+    for bad in ({"x": x.bfloat16()}, {"x": x, "silu": True}):  # bf16 rows; an epilogue only bf16 tiles have
+        with pytest.raises(ValueError):
+            cpu_kernels.gemm(bad["x"], packed, silu=bad.get("silu", False))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_tiles),
+                                   pytest.param(torch.float32, marks=needs_fp32_forms)], ids=["bf16", "fp32"])
+def test_an_engine_gives_the_same_tokens_and_logprobs_with_the_forms(dtype, monkeypatch):
     from slofleet.engine import LLM, SamplingParams
     prompts = ["The capital of France is", "List three prime numbers:", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
 
     def run():
-        llm = LLM(dtype="bfloat16", max_num_seqs=4)
+        llm = LLM(dtype=str(dtype).removeprefix("torch."), max_num_seqs=4)
         return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)], llm.engine.runner.model
 
     with_forms, model = run()
     assert model.layers[0].gate_up_proj.panels.dtype == model.lm_head.panels.dtype == torch.uint8
     monkeypatch.setattr(CausalLM, "forms", lambda self: {})
     without, model = run()
-    assert model.layers[0].gate_up_proj.panels.dtype == model.lm_head.panels.dtype == torch.bfloat16
+    assert model.layers[0].gate_up_proj.panels.dtype == model.lm_head.panels.dtype == dtype
     assert with_forms == without

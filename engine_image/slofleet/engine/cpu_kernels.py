@@ -1,64 +1,21 @@
 """The engine's CPU kernels (paged_attention.cpp, prefill_attention.cpp, tile_attention.cpp, fused_ops.cpp,
-small_gemm.cpp, tile_gemm.cpp, dot_gemm.cpp, and layer_stack.cpp, which runs a step's layers through them):
-built once per machine, called with ctypes.
-
-They are plain C++, not a torch extension, so building takes seconds with the system's compiler and needs no torch
-headers or ninja; the shared object is cached under `$SLOFLEET_CACHE/kernels`, keyed by the sources and the CPU,
-since it is built for the CPU it runs on (-march=native). It uses torch's own OpenMP runtime (torch loads libgomp
-first), so its threads are torch's. Where no compiler is found or the build fails, `load()` answers None and the
-torch ops run as before; the log says why once. Tensors are fp32 or bf16 on the CPU; anything else takes torch.
+small_gemm.cpp, tile_gemm.cpp, dot_gemm.cpp, and layer_stack.cpp, which runs a step's layers through them), called
+with ctypes on tensors: each op's check of what the kernel takes, and its call. Tensors are fp32 or bf16 on the CPU;
+anything else takes torch, as does every op where the kernels did not build (kernel_library.load() is None).
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from . import dtype_probe, quant  # dtype_probe as a module: it imports this one too
-from .loader import cache_root
+from . import quant
 
-log = logging.getLogger("slofleet.engine.kernel")
-HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "tile_attention.cpp",
-                                    "fused_ops.cpp", "small_gemm.cpp", "tile_gemm.cpp", "dot_gemm.cpp",
-                                    "layer_stack.cpp")]
-HEADERS = [HERE / "cpu_kernels.h", HERE / "forms.h", HERE / "decode_tiles.h"]
-# No contraction of a * b + c into one FMA: the torch ops these replace round the product first.
-FLAGS = ["-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC",
-         "-shared"]
+# the library's names are cpu_kernels' too, for the tests and benchmarks that build other variants of it
+from .kernel_library import FLAGS, HEADERS, HERE, SIGNATURES, SOURCES, build, compiler, load, open_library  # noqa: F401
+
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM, MAX_GROUP, MAX_ROPE_DIM = 256, 16, 1024  # the kernels' stack buffers
-DISABLE = "SLOFLEET_NO_KERNELS"  # set to 1 to run the torch ops (a comparison, or a machine whose build misbehaves)
-
-_i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-_ATTENTION = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32,
-              _f32, _i32, _i32]
-SIGNATURES = {
-    "paged_decode": _ATTENTION,
-    "paged_prefill": _ATTENTION,
-    "tile_prefill": _ATTENTION,
-    "add_rms_norm": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _f32, _i32, _i32],
-    "rope": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
-    "kv_store": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
-    "silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i32],
-    "small_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32],
-    "gemm_panel_columns": [],
-    "tile_enable": [],
-    "tile_pack": [_ptr, _i64, _i64, _i32, _ptr],
-    "tile_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32, _i32],
-    "form_unpack": [_ptr, _i64, _i64, _i32, _ptr, _i32],
-    "dot_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32],
-    "layer_stack": [_ptr, _ptr, _i64, _ptr],
-    "argmax_rows": [_ptr, _i64, _i64, _i64, _i32, _ptr, _i32],
-}
 TILE = 32  # the bf16 kernels take N and K in multiples of this
 # Rows up to which the tile kernel unpacks a quantised form's panels itself, once per chunk of 512 rows (tile_gemm.cpp),
 # on their way to the tile unit; more unpack the whole weight into a buffer (212 MB a step for the embedded model, out
@@ -66,52 +23,6 @@ TILE = 32  # the bf16 kernels take N and K in multiples of this
 # as long through the buffer at 384 rows, 1.09x at 768-2,048, 0.95x at 4,096 and 0.90x at 8,192; the engine_cpu
 # workload's prefill steps (2,048 and ~760 tokens, now in the layer stack) 446 -> 409 ms.
 DIRECT_ROWS = 2048
-
-
-def compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-
-
-def build(out: Path, flags: list[str] = FLAGS, sources: list[Path] | None = None) -> None:
-    """The kernels' shared object at out, from SOURCES (or `sources`: another revision's, for a benchmark)."""
-    cxx = compiler()
-    if cxx is None:
-        raise FileNotFoundError("no C++ compiler (c++ or g++) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # a whole file or none: builds may race
-        part = Path(tmp) / out.name
-        subprocess.run([cxx, *flags, *map(str, sources or SOURCES), "-o", str(part)], check=True, capture_output=True,
-                       text=True, timeout=180)
-        os.replace(part, out)
-
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    if os.environ.get(DISABLE) == "1":
-        return None
-    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()
-    key = hashlib.sha256(text + dtype_probe.cpu_model().encode() + torch.__version__.encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
-    try:
-        if not path.exists():
-            build(path)
-        lib = open_library(path)
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("CPU kernels unavailable, using torch ops: %s", str(detail).strip()[:300])
-        return None
-    log.info("CPU kernels: %s", path)
-    return lib
-
-
-def open_library(path: Path) -> ctypes.CDLL:
-    """The kernels at path, with this process granted the tile registers where the CPU has them: a kernel that runs
-    either way (decode attention) then takes the same path in every call, whoever asked for tiles() first."""
-    lib = ctypes.CDLL(str(path))
-    for name, args in SIGNATURES.items():
-        getattr(lib, name).argtypes = args
-    lib.tile_enable()
-    return lib
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -269,18 +180,23 @@ def panel_rows(n: int, paired: bool) -> torch.Tensor:
 
 
 @functools.cache
-def unpacks() -> bool:
-    """Whether the tile kernel runs here and takes quantised forms (forms.h: AMX with AVX512-BF16)."""
-    return tiles() and load().form_unpack(None, 0, 0, 1, None, 1) == 0  # no weight: asks only
+def unpacks(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a GEMM kernel of this dtype runs here on quantised forms (forms.h): bf16, the tile kernel (AMX with
+    AVX512-BF16); fp32, small_gemm's form_gemm (AVX-512)."""
+    if dtype == torch.float32:
+        return load() is not None and load().form_gemm(None, 0, None, None, 0, 0, 0, 1, 1) == 0  # no weight: asks
+    return dtype == torch.bfloat16 and tiles() and load().form_unpack(None, 0, 0, 1, None, 1) == 0
 
 
 def pack(weight: torch.Tensor, paired: bool = False, form: quant.Form | None = None) -> torch.Tensor | None:
     """A CPU weight W [N, K] as a GEMM kernel reads it: fp32 as [N / C, K, C] panels of W.T (small_gemm.cpp), bf16
     as [N / 16, K / 2, 16, 2] tiles of pairs (tile_gemm.cpp on AMX, dot_gemm.cpp on AVX512-BF16), or, given W's
-    exact GGUF form (quant.recover) where the tile kernel unpacks it, that form's [N / 16, K / 32, step] bytes, which
-    it unpacks to the same tiles. None where no kernel takes it (another dtype or device, no kernel for this CPU, N
-    or K off the kernel's multiple): torch's GEMM runs. `paired`: W is a SwiGLU's [gate; up]; bf16 tiles then pair
-    each gate column with its up column, for gemm(..., silu=True)."""
+    exact GGUF form (quant.recover) where a kernel of W's dtype unpacks it (`unpacks`), that form's bytes: bf16,
+    [N / 16, K / 32, step], which the tile kernel unpacks to the same tiles; fp32, [N / 32, K / 32, 2, step] (the
+    two 16-column halves of each fp32 panel's steps side by side), which form_gemm unpacks to the same panels. None
+    where no kernel takes it (another dtype or device, no kernel for this CPU, N or K off the kernel's multiple):
+    torch's GEMM runs. `paired`: W is a SwiGLU's [gate; up]; bf16 tiles then pair each gate column with its up
+    column, for gemm(..., silu=True)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     n, k = weight.shape
@@ -296,6 +212,9 @@ def pack(weight: torch.Tensor, paired: bool = False, form: quant.Form | None = N
     c = panel_columns()
     if not c or weight.dtype != torch.float32 or n % c:
         return None
+    if form is not None and unpacks(torch.float32) and n % TILE == 0 and k % TILE == 0:
+        steps = quant.layout(form, panel_rows(n, False))
+        return steps.view(n // 32, 2, *steps.shape[1:]).transpose(1, 2).contiguous()
     return weight.detach().reshape(n // c, c, k).transpose(1, 2).contiguous()
 
 
@@ -304,13 +223,20 @@ FORM_BY_STEP = {quant.STEP_BYTES[kind]: i for i, kind in enumerate(quant.KINDS, 
 
 def form_of(panels: torch.Tensor) -> int:
     """forms.h's Form of a packed weight (by the bytes of its steps): 0 for plain panels or tiles."""
-    return FORM_BY_STEP[panels.shape[2]] if panels.dtype == torch.uint8 else 0
+    return FORM_BY_STEP[panels.shape[-1]] if panels.dtype == torch.uint8 else 0
+
+
+def form_dtype(panels: torch.Tensor) -> torch.dtype:
+    """The dtype of the rows a packed weight's kernel takes: a form's (fp32 forms have a dimension more), or its own."""
+    if panels.dtype == torch.uint8:
+        return torch.float32 if panels.dim() == 4 else torch.bfloat16
+    return panels.dtype
 
 
 def shape(panels: torch.Tensor) -> tuple[int, int]:
     """(N, K) of the weight behind a packed weight."""
     if panels.dtype == torch.uint8:
-        return panels.shape[0] * 16, panels.shape[1] * quant.BLOCK
+        return panels.numel() // (panels.shape[1] * panels.shape[-1]) * 16, panels.shape[1] * quant.BLOCK
     if panels.dtype == torch.bfloat16:
         return panels.shape[0] * 16, panels.shape[1] * 2
     return panels.shape[0] * panels.shape[2], panels.shape[1]
@@ -326,21 +252,24 @@ def unpack(panels: torch.Tensor) -> torch.Tensor:
 
 
 def gemm(x: torch.Tensor, panels: torch.Tensor, silu: bool = False) -> torch.Tensor:
-    """x [M, K] @ W.T from W's packed form (`pack`: the dtype of x, or a quantised form for bf16 x), into a new
+    """x [M, K] @ W.T from W's packed form (`pack`: the dtype of x, or a quantised form packed for it), into a new
     contiguous [M, N]; with `silu` (bf16 tiles or a form packed paired), silu(gate) * up [M, N / 2] instead, rounded
     as torch's ops round it."""
-    form = form_of(panels)
-    if form and x.shape[0] > DIRECT_ROWS:
+    form, dtype = form_of(panels), form_dtype(panels)
+    if form and dtype == torch.bfloat16 and x.shape[0] > DIRECT_ROWS:
         panels, form = unpack(panels), 0
-    bf16 = form or panels.dtype == torch.bfloat16
+    bf16 = dtype == torch.bfloat16
     n, k = shape(panels)
-    if x.shape[-1] != k or x.dim() != 2 or x.dtype != (torch.bfloat16 if form else panels.dtype) or (silu and not bf16):
+    if x.shape[-1] != k or x.dim() != 2 or x.dtype != dtype or (silu and not bf16):
         raise ValueError(f"x {list(x.shape)} {x.dtype} does not fit panels {list(panels.shape)} {panels.dtype}"
                          f"{' with silu' if silu else ''}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty((x.shape[0], n // 2 if silu else n), dtype=x.dtype)
-    if bf16:
+    if form and not bf16:
+        done = load().form_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], n, k, form,
+                                torch.get_num_threads())
+    elif bf16:
         args = (x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), y.shape[1], x.shape[0], n, k, int(silu))
         if bf16_gemm() == "tile_gemm":
             done = load().tile_gemm(*args, form, torch.get_num_threads())

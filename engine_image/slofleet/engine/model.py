@@ -204,15 +204,15 @@ class CausalLM(nn.Module):
         """Where a CPU GEMM kernel takes a projection (fp32 on AVX-512 or AVX2, bf16 on AMX or AVX512-BF16), keep its
         weight only in the kernel's packed form (the first layout is freed, so no more memory), used at every step size;
         bf16 gate/up tiles are paired, so the MLP's activation runs in their GEMM (swiglu). A layer in `forms` keeps
-        its quantised form where the kernel unpacks it. A tied LM head's packed form is a copy: the embedding keeps its
-        weight for the lookups."""
+        its quantised form where a kernel of its dtype unpacks it (cpu_kernels.unpacks). A tied LM head's packed form
+        is a copy: the embedding keeps its weight for the lookups."""
         forms = forms or {}
         gate_ups = {id(layer.gate_up_proj) for layer in self.layers}
         for m in self.modules():
             paired = id(m) in gate_ups and m.bias is None  # a bias would have to be added before the activation
             panels = cpu_kernels.pack(m.weight, paired, forms.get(id(m))) if isinstance(m, nn.Linear) else None
             if panels is not None:
-                m.panels, m.paired = panels, paired and panels.dtype != torch.float32
+                m.panels, m.paired = panels, paired and cpu_kernels.form_dtype(panels) == torch.bfloat16
                 if m.weight is not self.embed_tokens.weight:
                     m.weight = nn.Parameter(m.weight.new_empty(0, m.in_features), requires_grad=False)
         self.stack = LayerStack.build(self)

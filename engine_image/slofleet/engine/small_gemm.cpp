@@ -12,7 +12,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#include <vector>
+
 #include "cpu_kernels.h"
+#include "forms.h"
 
 using namespace slofleet;
 
@@ -25,6 +28,7 @@ constexpr int MR = 8, NC = 2 * Vec::N;  // x rows and W.T columns per tile: 16 a
 // hardware's prefetch alone left the FMA units waiting (with 8-row tiles, the embedded model's 30 layers and LM head
 // at 16 rows on a 2-core AVX-512 Xeon, alternating in one process: 38.4 -> 30.6 ms; 6-row tiles without it: 38.4)
 constexpr int64_t AHEAD = 16, LINE = 64 / sizeof(float), CHUNK_BYTES = 1 << 20;
+constexpr int64_t AHEAD_STEPS = 4;  // a form's k-steps of 32 ahead that its unpacking asks for
 
 template <int mr>
 void tile(const float *x, int64_t x_row, const float *wt, int64_t n_len, int64_t k_len, float *y) {
@@ -56,23 +60,72 @@ extern "C" int gemm_panel_columns() {
 #endif
 }
 
+#if defined(SLOFLEET_VEC)
+namespace {
+
+// y = x @ W.T over items of a chunk of rows by a panel, chunk-major in chunks of equal rows, so a static schedule gives
+// each thread as many rows, over all panels. `source()` makes a thread's p -> panel p's [K, NC] fp32 rows.
+template <class Source>
+void run(const float *x, int64_t x_row, float *y, int64_t m_len, int64_t n_len, int64_t k_len, int threads,
+         Source source) {
+    if (m_len <= 0 || n_len <= 0) return;
+    int64_t panels = n_len / NC, most = std::max<int64_t>(MR, CHUNK_BYTES / std::max<int64_t>(k_len * 4, 1));
+    int64_t chunks = (m_len + most - 1) / most, rows = ((m_len + chunks - 1) / chunks + MR - 1) / MR * MR;
+#pragma omp parallel num_threads(threads)
+    {
+        auto panel = source();
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < panels * chunks; it++) {
+            int64_t p = it % panels, m = it / panels * rows, end = std::min(m_len, m + rows);
+            const float *w = panel(p);
+            for (; m + MR <= end; m += MR) tile<MR>(x + m * x_row, x_row, w, n_len, k_len, y + m * n_len + p * NC);
+            with_rows<MR - 1>(int(end - m), [&](auto mr) {
+                tile<mr>(x + m * x_row, x_row, w, n_len, k_len, y + m * n_len + p * NC);
+            });
+        }
+    }
+}
+
+}  // namespace
+#endif
+
 // Returns 0; -1 on a CPU without the vector types, or when N is not a multiple of the panel's columns.
 extern "C" int small_gemm(const float *x, int64_t x_row, const float *wt, float *y, int64_t m_len, int64_t n_len,
                           int64_t k_len, int threads) {
 #if defined(SLOFLEET_VEC)
     if (n_len % NC) return -1;
-    // Items chunk-major, chunks of equal rows: a static schedule gives each thread as many rows, over all panels.
-    int64_t panels = n_len / NC, most = std::max<int64_t>(MR, CHUNK_BYTES / (k_len * 4));
-    int64_t chunks = (m_len + most - 1) / most, rows = ((m_len + chunks - 1) / std::max<int64_t>(chunks, 1) + MR - 1) / MR * MR;
-#pragma omp parallel for schedule(static) num_threads(threads) if (m_len > 0)
-    for (int64_t it = 0; it < panels * chunks; it++) {
-        int64_t p = it % panels, m = it / panels * rows, end = std::min(m_len, m + rows);
-        const float *w = wt + p * NC * k_len;
-        for (; m + MR <= end; m += MR) tile<MR>(x + m * x_row, x_row, w, n_len, k_len, y + m * n_len + p * NC);
-        with_rows<MR - 1>(int(end - m), [&](auto mr) {
-            tile<mr>(x + m * x_row, x_row, w, n_len, k_len, y + m * n_len + p * NC);
-        });
-    }
+    run(x, x_row, y, m_len, n_len, k_len, threads, [&] { return [&](int64_t p) { return wt + p * NC * k_len; }; });
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+// y = x @ W.T from W's quantised form (forms.h), as [N / 32, K / 32, 2, step bytes]: per panel of ours and k-step,
+// the steps of its two 16-column panels in forms.h's layout, one after the other. Each thread unpacks a panel to fp32
+// rows once per chunk of x's rows, so a decode step reads 5 or 8.5 bits a weight from memory instead of 32, and
+// computes on the very fp32 weights. Returns 0; -1 without AVX-512 (asked with no weight, it only tells), or when N
+// or K is not a multiple of 32.
+extern "C" int form_gemm(const float *x, int64_t x_row, const uint8_t *wq, float *y, int64_t m_len, int64_t n_len,
+                         int64_t k_len, int form, int threads) {
+#if defined(SLOFLEET_VEC) && defined(SLOFLEET_FP32_FORMS)
+    if (NC != 32 || n_len % NC || k_len % 32 || (form != Q4_1 && form != Q8_0)) return -1;
+    int64_t steps = k_len / 32, bytes = step_bytes(form);
+    run(x, x_row, y, m_len, n_len, k_len, threads, [&] {
+        return [&, rows = std::vector<float>(k_len * NC), held = int64_t(-1)](int64_t p) mutable -> const float * {
+            if (p != held) {
+                const uint8_t *src = wq + p * steps * 2 * bytes;
+                for (int64_t s = 0; s < 2 * steps; s++) {  // step s / 2 of the panel's half s % 2
+                    prefetch_lines(src + (s + 2 * AHEAD_STEPS) * bytes, bytes);  // past the end too: never faults
+                    float *dst = rows.data() + s / 2 * 32 * NC + 16 * (s % 2);
+                    form == Q4_1 ? unpack_step_fp32<Q4_1>(src + s * bytes, dst, NC)
+                                 : unpack_step_fp32<Q8_0>(src + s * bytes, dst, NC);
+                }
+                held = p;
+            }
+            return rows.data();
+        };
+    });
     return 0;
 #else
     return -1;
