@@ -129,11 +129,13 @@ needs_fp32_forms = pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kern
 
 @needs_kernels
 @needs_fp32_forms
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 100, 1000])  # 1,000 at K = 1,536: six chunks of rows, each unpacking
+# up to 64 rows, blocks of 128 k-rows (K = 576: the last 64); 1,000 at K = 1,536: six chunks of rows, each unpacking
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 65, 100, 1000])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("k", [576, 1536])
 def test_the_fp32_gemm_on_the_form_is_the_fp32_gemm_bit_for_bit(rows, kind, k):
-    """form_gemm unpacks each panel to the fp32 weights themselves, so its products are small_gemm's, bit for bit."""
+    """form_gemm unpacks each panel to the fp32 weights themselves, so its products are small_gemm's, bit for bit
+    (where it goes by blocks of K, each tile's sums go to y and back between them: the same order of additions)."""
     w = gguf_weight(96, k, seed=rows, kind=kind)
     packed = cpu_kernels.pack(w, False, quant.recover(w))
     bits = {"q4_1": 5, "q8_0": 8.5}[kind]
