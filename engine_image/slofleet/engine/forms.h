@@ -18,6 +18,46 @@ namespace slofleet {
 enum Form { PLAIN = 0, Q4_1 = 1, Q8_0 = 2 };
 constexpr int64_t step_bytes(int form) { return form == Q4_1 ? 16 * 16 + 2 * 32 : form == Q8_0 ? 16 * 32 + 32 : 0; }
 
+#if defined(__AVX512F__)
+// Tile row kk of a step's q as 32-bit lanes in the row's order: columns 0-7 in a, 8-15 in b (lane 2j + e: k 2 kk + e).
+template <int FORM>
+[[gnu::always_inline]] inline void q_lanes(const uint8_t *src, int kk, __m512i &a, __m512i &b) {
+    if constexpr (FORM == Q4_1) {
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(src + 16 * kk)));
+        a = _mm512_and_si512(v, _mm512_set1_epi32(15)), b = _mm512_srli_epi32(v, 4);
+    } else {
+        const __m128i *q = reinterpret_cast<const __m128i *>(src + 32 * kk);
+        a = _mm512_cvtepi8_epi32(_mm_loadu_si128(q)), b = _mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1));
+    }
+}
+
+#define SLOFLEET_FP32_FORMS 1
+// One step of a form into fp32 rows: k-row kk of the step's 32 at dst + kk * row, the panel's 16 columns in order, each
+// weight d * q (+ m) as gguf computes it (the fp32 weight quant.recover found the form of), for small_gemm.cpp.
+template <int FORM>
+[[gnu::always_inline]] inline void unpack_step_fp32(const uint8_t *src, float *dst, int64_t row) {
+    // lane 2j + e of a tile row is column j at k = 2 kk + e: both halves' even lanes make k's row, their odd k + 1's
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const uint8_t *scales = src + (FORM == Q4_1 ? 256 : 512);
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(scales))), m;
+    if constexpr (FORM == Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(scales + 32)));
+    for (int kk = 0; kk < 16; kk++) {
+        __m512i a, b;
+        q_lanes<FORM>(src, kk, a, b);
+        __m512 q0 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(a, even, b));
+        __m512 q1 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(a, odd, b));
+        if constexpr (FORM == Q4_1) {  // d * q is exact, so the fused add rounds as gguf's separate one
+            _mm512_storeu_ps(dst + 2 * kk * row, _mm512_fmadd_ps(q0, d, m));
+            _mm512_storeu_ps(dst + (2 * kk + 1) * row, _mm512_fmadd_ps(q1, d, m));
+        } else {
+            _mm512_storeu_ps(dst + 2 * kk * row, _mm512_mul_ps(q0, d));
+            _mm512_storeu_ps(dst + (2 * kk + 1) * row, _mm512_mul_ps(q1, d));
+        }
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define SLOFLEET_FORMS 1
 
@@ -37,23 +77,16 @@ inline void store_row(uint16_t *dst, __m512 first, __m512 second) {
 template <int FORM>
 [[gnu::always_inline]] inline void unpack_step(const uint8_t *src, uint16_t *dst) {
     __m512 d0, d1, m0, m1;
-    if constexpr (FORM == Q4_1) {
-        spread(src + 256, d0, d1);
-        spread(src + 288, m0, m1);
-        for (int kk = 0; kk < 16; kk++) {
-            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(src + 16 * kk)));
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+    spread(src + (FORM == Q4_1 ? 256 : 512), d0, d1);
+    if constexpr (FORM == Q4_1) spread(src + 288, m0, m1);
+    for (int kk = 0; kk < 16; kk++) {
+        __m512i a, b;
+        q_lanes<FORM>(src, kk, a, b);
+        __m512 lo = _mm512_cvtepi32_ps(a), hi = _mm512_cvtepi32_ps(b);
+        if constexpr (FORM == Q4_1)
             store_row(dst + 32 * kk, _mm512_fmadd_ps(lo, d0, m0), _mm512_fmadd_ps(hi, d1, m1));
-        }
-    } else {
-        spread(src + 512, d0, d1);
-        for (int kk = 0; kk < 16; kk++) {
-            const __m128i *row = reinterpret_cast<const __m128i *>(src + 32 * kk);
-            __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row)));
-            __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1)));
-            store_row(dst + 32 * kk, _mm512_mul_ps(a, d0), _mm512_mul_ps(b, d1));
-        }
+        else
+            store_row(dst + 32 * kk, _mm512_mul_ps(lo, d0), _mm512_mul_ps(hi, d1));
     }
 }
 
@@ -65,40 +98,6 @@ inline void unpack_steps(int form, const uint8_t *src, int64_t steps, uint16_t *
             unpack_step<Q4_1>(src + s * bytes, dst + s * 512);
         else
             unpack_step<Q8_0>(src + s * bytes, dst + s * 512);
-    }
-}
-#endif
-
-#if defined(__AVX512F__)
-#define SLOFLEET_FP32_FORMS 1
-// One step of a form into fp32 rows: k-row kk of the step's 32 at dst + kk * row, the panel's 16 columns in order, each
-// weight d * q (+ m) as gguf computes it (the fp32 weight quant.recover found the form of), for small_gemm.cpp.
-template <int FORM>
-[[gnu::always_inline]] inline void unpack_step_fp32(const uint8_t *src, float *dst, int64_t row) {
-    // lane 2j + e of a tile row is column j at k = 2 kk + e: the even lanes of both halves make k's row, the odd k + 1's
-    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    const uint8_t *scales = src + (FORM == Q4_1 ? 256 : 512);
-    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(scales)));
-    for (int kk = 0; kk < 16; kk++) {
-        __m512i a, b;  // q of columns 0-7 and 8-15, lanes in the tile row's order
-        if constexpr (FORM == Q4_1) {
-            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(src + 16 * kk)));
-            a = _mm512_and_si512(v, _mm512_set1_epi32(15)), b = _mm512_srli_epi32(v, 4);
-        } else {
-            const __m128i *q = reinterpret_cast<const __m128i *>(src + 32 * kk);
-            a = _mm512_cvtepi8_epi32(_mm_loadu_si128(q)), b = _mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1));
-        }
-        __m512 q0 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(a, even, b));
-        __m512 q1 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(a, odd, b));
-        if constexpr (FORM == Q4_1) {  // d * q is exact, so the fused add rounds as gguf's separate one
-            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(scales + 32)));
-            _mm512_storeu_ps(dst + 2 * kk * row, _mm512_fmadd_ps(q0, d, m));
-            _mm512_storeu_ps(dst + (2 * kk + 1) * row, _mm512_fmadd_ps(q1, d, m));
-        } else {
-            _mm512_storeu_ps(dst + 2 * kk * row, _mm512_mul_ps(q0, d));
-            _mm512_storeu_ps(dst + (2 * kk + 1) * row, _mm512_mul_ps(q1, d));
-        }
     }
 }
 #endif

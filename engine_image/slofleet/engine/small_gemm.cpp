@@ -27,7 +27,7 @@ constexpr int MR = 8, NC = 2 * Vec::N;  // x rows and W.T columns per tile: 16 a
 // A tile asks for its panel's rows this many k-steps ahead: at a decode step they come from memory, where the
 // hardware's prefetch alone left the FMA units waiting (with 8-row tiles, the embedded model's 30 layers and LM head
 // at 16 rows on a 2-core AVX-512 Xeon, alternating in one process: 38.4 -> 30.6 ms; 6-row tiles without it: 38.4)
-constexpr int64_t AHEAD = 16, LINE = 64 / sizeof(float), CHUNK_BYTES = 1 << 20;
+constexpr int64_t AHEAD = 16, CHUNK_BYTES = 1 << 20;
 constexpr int64_t AHEAD_STEPS = 4;  // a form's k-steps of 32 ahead that its unpacking asks for
 // k-rows a form's panel is unpacked by, then multiplied, at up to FORM_BLOCK_ROWS rows of x: 16 KiB of fp32 rows, which
 // stay in L1 for the tiles (the whole panel, 72-192 KiB, went out to L2 and back: unpacking the embedded model's
@@ -47,8 +47,7 @@ void tile(const float *x, int64_t x_row, const float *wt, int64_t n_len, int64_t
     }
     for (int64_t k = 0; k < k_len; k++) {
         T w0 = Vec::loadu(wt + k * NC), w1 = Vec::loadu(wt + k * NC + Vec::N);
-        for (int64_t at = 0; at < NC; at += LINE)  // past the panel's end too: a prefetch never faults
-            _mm_prefetch(reinterpret_cast<const char *>(wt + (k + AHEAD) * NC + at), _MM_HINT_T0);
+        prefetch_lines(wt + (k + AHEAD) * NC, NC * sizeof(float));  // past the panel's end too: never faults
         for (int m = 0; m < mr; m++) {
             T xv = Vec::set1(x[m * x_row + k]);
             acc[m][0] = Vec::fmadd(xv, w0, acc[m][0]);

@@ -108,10 +108,8 @@ void item(const uint16_t *x, int64_t x_row, const uint16_t *w0, const uint16_t *
         if constexpr (FORM != PLAIN) {
             constexpr int64_t bytes = step_bytes(FORM);
             const uint8_t *s0 = src + k / KSTEP * bytes, *s1 = src + (k_len + k) / KSTEP * bytes;  // the two panels
-            for (int64_t at = AHEAD * bytes; at < (AHEAD + 1) * bytes; at += 64) {  // past W's end too: never faults
-                _mm_prefetch(reinterpret_cast<const char *>(s0 + at), _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char *>(s1 + at), _MM_HINT_T0);
-            }
+            prefetch_lines(s0 + AHEAD * bytes, bytes);  // past W's end too: a prefetch never faults
+            prefetch_lines(s1 + AHEAD * bytes, bytes);
             unpack_step<FORM>(s0, fill + k * COLS);
             unpack_step<FORM>(s1, fill + (k_len + k) * COLS);
             tile_fence();
