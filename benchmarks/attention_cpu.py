@@ -2,7 +2,7 @@
 alternately on the same inputs in one process, since on a shared 2-core VM the same build's figures moved 10-20%
 from one process to the next while such pairs kept their order.
 
-- decode: paged_decode over --layers layers of bf16 caches, --rows rows of --ctx tokens (+-half, so the threads'
+- decode: paged_decode over --layers layers of caches in --dtype, --rows rows of --ctx tokens (+-half, so the threads'
   shares differ), their blocks in random order in a pool the size of the engine's default (1 GiB for the embedded
   model's shapes); "memory" walks every layer's cache once, "cache" one layer's --layers times.
 - prefill: the engine's prefill kernel (tile_prefill on AMX, else paged_prefill) over 2,048 prompt tokens of 50-420
@@ -10,7 +10,10 @@ from one process to the next while such pairs kept their order.
 
 Each build's median ms, the ratio and the largest output difference between the builds are printed.
 
-    .venv/bin/python benchmarks/attention_cpu.py [--base HEAD~1] [--ctx 240] [--rows 16] [--layers 30]
+--dtype is the caches' and queries' (default: bf16 where the CPU has bf16 kernels, else fp32, as LLM() picks on
+such CPUs).
+
+    .venv/bin/python benchmarks/attention_cpu.py [--base HEAD~1] [--ctx 240] [--rows 16] [--layers 30] [--dtype fp32]
 """
 from __future__ import annotations
 
@@ -73,9 +76,9 @@ def decode_case(libs: dict[str, ctypes.CDLL], args) -> None:
     tables = torch.tensor([blocks[i * per:(i + 1) * per] for i in range(args.rows)], dtype=torch.int32)
     lens = torch.tensor([args.ctx + rng.randrange(-args.ctx // 2, args.ctx // 2) for _ in range(args.rows)],
                         dtype=torch.int32)
-    caches = [(torch.randn(POOL_BLOCKS, BLOCK, KV_HEADS, DIM).bfloat16(),
-               torch.randn(POOL_BLOCKS, BLOCK, KV_HEADS, DIM).bfloat16()) for _ in range(args.layers)]
-    q = torch.randn(args.rows, HEADS, DIM).bfloat16()
+    caches = [(torch.randn(POOL_BLOCKS, BLOCK, KV_HEADS, DIM, dtype=args.dtype),
+               torch.randn(POOL_BLOCKS, BLOCK, KV_HEADS, DIM, dtype=args.dtype)) for _ in range(args.layers)]
+    q = torch.randn(args.rows, HEADS, DIM, dtype=args.dtype)
     outs = {name: torch.empty_like(q) for name in libs}
     rows = torch.arange(args.rows, dtype=torch.int32)
     ones = torch.ones(args.rows, dtype=torch.int32)
@@ -87,10 +90,11 @@ def decode_case(libs: dict[str, ctypes.CDLL], args) -> None:
                 libs[name].paged_decode(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
                                         tables.data_ptr(), tables.stride(0), rows.data_ptr(), args.rows,
                                         rows.data_ptr(), ones.data_ptr(), lens.data_ptr(), outs[name].data_ptr(),
-                                        HEADS, KV_HEADS, DIM, BLOCK, DIM ** -0.5, 1, torch.get_num_threads())
+                                        HEADS, KV_HEADS, DIM, BLOCK, DIM ** -0.5, cpu_kernels.DTYPES[args.dtype],
+                                        torch.get_num_threads())
         return call
     for hot in (False, True):
-        report(f"decode {args.rows} x {args.ctx} ({'cache' if hot else 'memory'})",
+        report(f"decode {args.rows} x {args.ctx} ({'cache' if hot else 'memory'}, {str(args.dtype)[6:]})",
                alternate({name: run(name, hot) for name in libs}, args.rounds), outs)
 
 
@@ -103,15 +107,15 @@ def prefill_case(libs: dict[str, ctypes.CDLL], args) -> None:
     per = max(-(-(c + n) // BLOCK) for c, n in zip(ctx, lens))
     tables = torch.arange(len(lens) * per, dtype=torch.int32).view(len(lens), per)
     layers = min(args.layers, 6)
-    caches = [(torch.randn(len(lens) * per, BLOCK, KV_HEADS, DIM).bfloat16(),
-               torch.randn(len(lens) * per, BLOCK, KV_HEADS, DIM).bfloat16()) for _ in range(layers)]
-    q = torch.randn(2048, HEADS, DIM).bfloat16()
+    caches = [(torch.randn(len(lens) * per, BLOCK, KV_HEADS, DIM, dtype=args.dtype),
+               torch.randn(len(lens) * per, BLOCK, KV_HEADS, DIM, dtype=args.dtype)) for _ in range(layers)]
+    q = torch.randn(2048, HEADS, DIM, dtype=args.dtype)
     outs = {name: torch.empty_like(q) for name in libs}
     rows = torch.arange(len(lens), dtype=torch.int32)
     starts = torch.tensor([sum(lens[:i]) for i in range(len(lens))], dtype=torch.int32)
     qlens = torch.tensor(lens, dtype=torch.int32)
     seqs = torch.tensor([c + n for c, n in zip(ctx, lens)], dtype=torch.int32)
-    kind = cpu_kernels.prefill_kernel(torch.bfloat16, HEADS, KV_HEADS, DIM)
+    kind = cpu_kernels.prefill_kernel(args.dtype, HEADS, KV_HEADS, DIM)
 
     def run(name: str):
         def call():
@@ -119,10 +123,11 @@ def prefill_case(libs: dict[str, ctypes.CDLL], args) -> None:
                 getattr(libs[name], kind)(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
                                           tables.data_ptr(), tables.stride(0), rows.data_ptr(), len(lens),
                                           starts.data_ptr(), qlens.data_ptr(), seqs.data_ptr(),
-                                          outs[name].data_ptr(), HEADS, KV_HEADS, DIM, BLOCK, DIM ** -0.5, 1,
-                                          torch.get_num_threads())
+                                          outs[name].data_ptr(), HEADS, KV_HEADS, DIM, BLOCK, DIM ** -0.5,
+                                          cpu_kernels.DTYPES[args.dtype], torch.get_num_threads())
         return call
-    report(f"prefill 2048 ({kind}, {layers} layers)", alternate({name: run(name) for name in libs}, args.rounds),
+    report(f"prefill 2048 ({kind}, {layers} layers, {str(args.dtype)[6:]})",
+           alternate({name: run(name) for name in libs}, args.rounds),
            outs)
 
 
@@ -140,10 +145,13 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"))
     args = ap.parse_args()
-    if cpu_kernels.load() is None or not cpu_kernels.bf16_kernels():
-        print("no bf16 attention kernels on this machine")
+    if cpu_kernels.load() is None:
+        print("no CPU kernels on this machine (see the log for why)")
         return 1
+    bf16 = args.dtype == "bf16" or (args.dtype is None and bool(cpu_kernels.bf16_kernels()))
+    args.dtype = torch.bfloat16 if bf16 else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         libs = {args.base: library(args.base, Path(tmp)), "tree": library(None, Path(tmp))}
         torch.manual_seed(0)
