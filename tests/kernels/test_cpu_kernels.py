@@ -97,38 +97,6 @@ def vector_cpu() -> bool:
     return bool({"avx512f", "avx2"} & set(dtype_probe.cpu_model().split()))  # every AVX2 CPU has FMA too
 
 
-def variant(tmp_path_factory, feature: str, flags: list[str], why: str):
-    """The kernels built again without the CPU's `feature` (by `flags`), or a skip saying `why` where it has none."""
-    if feature not in dtype_probe.cpu_model().split():
-        pytest.skip(why)
-    path = tmp_path_factory.mktemp("kernels") / f"no-{feature}.so"
-    cpu_kernels.build(path, [*cpu_kernels.FLAGS, *flags])
-    return cpu_kernels.open_library(path)
-
-
-@pytest.fixture(scope="module")
-def avx2_build(tmp_path_factory):
-    """On an AVX-512 CPU, the kernels also built as for an AVX2 one, so one machine checks both vector widths."""
-    return variant(tmp_path_factory, "avx512f", ["-mno-avx512f"],
-                   "no AVX-512 here: the native build is the AVX2 one (or plain loops), checked above")
-
-
-@pytest.fixture(scope="module")
-def no_amx_build(tmp_path_factory):
-    """On an AMX CPU, the kernels also built without the tile unit, as for an AVX512-BF16 CPU without it, whose build
-    an AMX machine would otherwise never compile (the tile paths are templates its build instantiates)."""
-    return variant(tmp_path_factory, "amx_bf16", ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"],
-                   "no AMX here: the native build is the one without tiles, checked above")
-
-
-@pytest.fixture(scope="module")
-def no_bf16_dot_build(tmp_path_factory):
-    """On an AVX512-BF16 CPU, the kernels also built without that extension: a bf16 cache then takes the widening
-    attention templates, as on AVX-512 CPUs before it, rather than the bf16 dot product."""
-    return variant(tmp_path_factory, "avx512_bf16", ["-mno-avx512bf16"],
-                   "no AVX512-BF16 here: the native build is the widening one, checked above")
-
-
 @pytest.mark.parametrize("build", ["avx2_build", "no_bf16_dot_build", "no_amx_build"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128)])
