@@ -1,6 +1,6 @@
 """GGUF weights kept in their quantised forms (quant.py, forms.h): Q4_1 and Q8_0 found back exactly from what gguf
 dequantises, or not at all; unpacked to the very bf16 tiles the packed weight holds; the GEMM on them bit for bit the
-bf16 one (the tile kernel, AMX) or the fp32 one (form_gemm, AVX-512); and an engine on the embedded model (Q4_1
+bf16 one (the tile kernel, AMX) or the fp32 one (form_gemm, AVX-512 or AVX2); and an engine on the embedded model (Q4_1
 projections, a Q8_0 embedding as its LM head) giving the same tokens and logprobs with and without them."""
 from __future__ import annotations
 
@@ -124,16 +124,10 @@ def model_dir():
 
 
 needs_fp32_forms = pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.unpacks(torch.float32),
-                                      reason="the fp32 kernel keeps GGUF forms on AVX-512; this CPU has none")
+                                      reason="the fp32 kernel keeps GGUF forms on AVX-512 or AVX2; this CPU has none")
 
 
-@needs_kernels
-@needs_fp32_forms
-# up to 64 rows, blocks of 128 k-rows (K = 576: the last 64); 1,000 at K = 1,536: six chunks of rows, each unpacking
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 65, 100, 1000])
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("k", [576, 1536])
-def test_the_fp32_gemm_on_the_form_is_the_fp32_gemm_bit_for_bit(rows, kind, k):
+def form_gemm_is_small_gemm(rows: int, kind: str, k: int) -> None:
     """form_gemm unpacks each panel to the fp32 weights themselves, so its products are small_gemm's, bit for bit
     (where it goes by blocks of K, each tile's sums go to y and back between them: the same order of additions)."""
     w = gguf_weight(96, k, seed=rows, kind=kind)
@@ -146,6 +140,28 @@ def test_the_fp32_gemm_on_the_form_is_the_fp32_gemm_bit_for_bit(rows, kind, k):
     for bad in ({"x": x.bfloat16()}, {"x": x, "silu": True}):  # bf16 rows; an epilogue only bf16 tiles have
         with pytest.raises(ValueError):
             cpu_kernels.gemm(bad["x"], packed, silu=bad.get("silu", False))
+
+
+@needs_kernels
+@needs_fp32_forms
+# up to 64 rows, blocks of 128 k-rows (K = 576: the last 64); 1,000 at K = 1,536: six chunks of rows, each unpacking
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 65, 100, 1000])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [576, 1536])
+def test_the_fp32_gemm_on_the_form_is_the_fp32_gemm_bit_for_bit(rows, kind, k):
+    form_gemm_is_small_gemm(rows, kind, k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 17, 65])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_avx2_fp32_gemm_on_the_form_is_bit_for_bit_too(rows, kind, avx2_build, monkeypatch):
+    """On an AVX-512 CPU, the AVX2 build's form_gemm (16-column panels, each one half of a form's 32 columns)."""
+    monkeypatch.setattr(cpu_kernels, "load", lambda: avx2_build)
+    monkeypatch.setattr(cpu_kernels, "panel_columns", lambda: avx2_build.gemm_panel_columns())
+    monkeypatch.setattr(cpu_kernels, "unpacks", lambda dtype=torch.bfloat16: dtype == torch.float32)
+    assert avx2_build.form_gemm(None, 0, None, None, 0, 0, 0, 1, 1) == 0  # the AVX2 build unpacks forms
+    form_gemm_is_small_gemm(rows, kind, 576)
 
 
 @needs_kernels

@@ -182,7 +182,7 @@ def panel_rows(n: int, paired: bool) -> torch.Tensor:
 @functools.cache
 def unpacks(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether a GEMM kernel of this dtype runs here on quantised forms (forms.h): bf16, the tile kernel (AMX with
-    AVX512-BF16); fp32, small_gemm's form_gemm (AVX-512)."""
+    AVX512-BF16); fp32, small_gemm's form_gemm (AVX-512, or AVX2 with F16C)."""
     if dtype == torch.float32:
         return load() is not None and load().form_gemm(None, 0, None, None, 0, 0, 0, 1, 1) == 0  # no weight: asks
     return dtype == torch.bfloat16 and tiles() and load().form_unpack(None, 0, 0, 1, None, 1) == 0
@@ -192,8 +192,8 @@ def pack(weight: torch.Tensor, paired: bool = False, form: quant.Form | None = N
     """A CPU weight W [N, K] as a GEMM kernel reads it: fp32 as [N / C, K, C] panels of W.T (small_gemm.cpp), bf16
     as [N / 16, K / 2, 16, 2] tiles of pairs (tile_gemm.cpp on AMX, dot_gemm.cpp on AVX512-BF16), or, given W's
     exact GGUF form (quant.recover) where a kernel of W's dtype unpacks it (`unpacks`), that form's bytes: bf16,
-    [N / 16, K / 32, step], which the tile kernel unpacks to the same tiles; fp32, [N / 32, K / 32, 2, step] (the
-    two 16-column halves of each fp32 panel's steps side by side), which form_gemm unpacks to the same panels. None
+    [N / 16, K / 32, step], which the tile kernel unpacks to the same tiles; fp32, [N / C, K / 32, C / 16, step] (the
+    16-column steps of each fp32 panel side by side), which form_gemm unpacks to the same panels. None
     where no kernel takes it (another dtype or device, no kernel for this CPU, N or K off the kernel's multiple):
     torch's GEMM runs. `paired`: W is a SwiGLU's [gate; up]; bf16 tiles then pair each gate column with its up
     column, for gemm(..., silu=True)."""
@@ -214,7 +214,7 @@ def pack(weight: torch.Tensor, paired: bool = False, form: quant.Form | None = N
         return None
     if form is not None and unpacks(torch.float32) and n % TILE == 0 and k % TILE == 0:
         steps = quant.layout(form, panel_rows(n, False))
-        return steps.view(n // 32, 2, *steps.shape[1:]).transpose(1, 2).contiguous()
+        return steps.view(n // c, c // 16, *steps.shape[1:]).transpose(1, 2).contiguous()
     return weight.detach().reshape(n // c, c, k).transpose(1, 2).contiguous()
 
 

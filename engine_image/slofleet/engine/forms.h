@@ -58,6 +58,45 @@ template <int FORM>
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define SLOFLEET_FP32_FORMS 1
+// unpack_step_fp32 with AVX2's 8 lanes: tile row kk's bytes gathered even lanes first (k = 2 kk), then odd (k + 1),
+// so each k-row's 8 columns of a half come out of one widening; the same d * q (+ m) in fp32.
+template <int FORM>
+[[gnu::always_inline]] inline void unpack_step_fp32(const uint8_t *src, float *dst, int64_t row) {
+    const __m128i parity = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const uint8_t *scales = src + (FORM == Q4_1 ? 256 : 512);
+    auto halves = [](const uint8_t *at) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(at)));
+    };
+    __m256 d[2] = {halves(scales), halves(scales + 16)}, m[2];
+    if constexpr (FORM == Q4_1) m[0] = halves(scales + 32), m[1] = halves(scales + 48);
+    for (int kk = 0; kk < 16; kk++) {
+        __m128i half[2];  // columns 0-7 and 8-15 of k-rows 2 kk (bytes 0-7) and 2 kk + 1 (bytes 8-15)
+        if constexpr (FORM == Q4_1) {
+            __m128i v = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i *>(src + 16 * kk)), parity);
+            const __m128i low = _mm_set1_epi8(15);
+            half[0] = _mm_and_si128(v, low), half[1] = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+        } else {
+            const __m128i *q = reinterpret_cast<const __m128i *>(src + 32 * kk);
+            half[0] = _mm_shuffle_epi8(_mm_loadu_si128(q), parity);
+            half[1] = _mm_shuffle_epi8(_mm_loadu_si128(q + 1), parity);
+        }
+        for (int e = 0; e < 2; e++)
+            for (int h = 0; h < 2; h++) {
+                __m128i bytes = e ? _mm_srli_si128(half[h], 8) : half[h];
+                __m256i ints = FORM == Q4_1 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
+                __m256 q = _mm256_cvtepi32_ps(ints);
+                float *out = dst + (2 * kk + e) * row + 8 * h;
+                if constexpr (FORM == Q4_1)  // d * q is exact, so the fused add rounds as gguf's separate one
+                    _mm256_storeu_ps(out, _mm256_fmadd_ps(q, d[h], m[h]));
+                else
+                    _mm256_storeu_ps(out, _mm256_mul_ps(q, d[h]));
+            }
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define SLOFLEET_FORMS 1
 

@@ -36,8 +36,10 @@ constexpr int64_t AHEAD_STEPS = 4;  // a form's k-steps of 32 ahead that its unp
 // stay in L1 for the tiles (the whole panel, 72-192 KiB, went out to L2 and back: unpacking the embedded model's
 // weights took 11 ms a decode step). The embedded model's 30 layers and LM head on a 2-core AVX-512 Xeon without AMX,
 // alternating in one process: 1 row 1.48x faster, 16 rows 1.17-1.22x, 64 rows 0.98-1.05x, 416-2,048 rows 0.88-0.91x
-// (there each tile's stored and reloaded sums and x's shorter runs cost more than the unpacking does).
-constexpr int64_t FORM_BLOCK = 128, FORM_BLOCK_ROWS = 64;
+// (there each tile's stored and reloaded sums and x's shorter runs cost more than the unpacking does). Not on AVX2,
+// whose panels are half as wide (36-96 KiB): on a 2-core AVX2 EPYC blocks ran 0.90-0.95x at 16-64 rows, within noise
+// below.
+constexpr int64_t FORM_BLOCK = 128, FORM_BLOCK_ROWS = Vec::N == 16 ? 64 : 0;
 
 // Sums over k in [0, k_len) of x's row block by the panel's rows wt, added to y's sums so far unless `first`: an fp32
 // sum stored and loaded back is the same sum, so a K split into blocks adds in the same order, with the same bits.
@@ -121,22 +123,24 @@ extern "C" int small_gemm(const float *x, int64_t x_row, const float *wt, float 
 #endif
 }
 
-// y = x @ W.T from W's quantised form (forms.h), as [N / 32, K / 32, 2, step bytes]: per panel of ours and k-step,
-// the steps of its two 16-column panels in forms.h's layout, one after the other. Each thread unpacks a panel to fp32
-// rows once per chunk of x's rows (FORM_BLOCK k-rows at a time at a decode step's few rows), so a decode step reads 5
-// or 8.5 bits a weight from memory instead of 32, and computes on the very fp32 weights. Returns 0; -1 without AVX-512
-// (asked with no weight, it only tells), or when N or K is not a multiple of 32.
+// y = x @ W.T from W's quantised form (forms.h), as [N / NC, K / 32, NC / 16, step bytes]: per panel of ours and
+// k-step, the steps of its 16-column parts in forms.h's layout, one after the other (two on AVX-512, one on AVX2), so
+// a panel's form is one sequential stream. Each thread unpacks a panel to fp32 rows once per chunk of x's rows
+// (FORM_BLOCK k-rows at a time at a decode step's few rows), so a decode step reads 5 or 8.5 bits a weight from memory
+// instead of 32, and computes on the very fp32 weights. Returns 0; -1 without AVX-512 or AVX2 with F16C (asked with no
+// weight, it only tells), or when N is not a multiple of the panel's columns or K of 32.
 extern "C" int form_gemm(const float *x, int64_t x_row, const uint8_t *wq, float *y, int64_t m_len, int64_t n_len,
                          int64_t k_len, int form, int threads) {
 #if defined(SLOFLEET_VEC) && defined(SLOFLEET_FP32_FORMS)
-    if (NC != 32 || n_len % NC || k_len % 32 || (form != Q4_1 && form != Q8_0)) return -1;
+    constexpr int H = NC / 16;  // forms.h's 16-column steps a panel holds side by side
+    if (NC % 16 || n_len % NC || k_len % 32 || (form != Q4_1 && form != Q8_0)) return -1;
     int64_t steps = k_len / 32, bytes = step_bytes(form), block = m_len <= FORM_BLOCK_ROWS ? FORM_BLOCK : k_len;
     run(x, x_row, y, m_len, n_len, k_len, block, threads, [&] {
         return [&, rows = std::vector<float>(block * NC)](int64_t p, int64_t k0, int64_t kb) mutable -> const float * {
-            const uint8_t *src = wq + (p * steps + k0 / 32) * 2 * bytes;
-            for (int64_t s = 0; s < kb / 16; s++) {  // step s / 2 of the block's, the panel's half s % 2
-                prefetch_lines(src + (s + 2 * AHEAD_STEPS) * bytes, bytes);  // past the end too: never faults
-                float *dst = rows.data() + s / 2 * 32 * NC + 16 * (s % 2);
+            const uint8_t *src = wq + (p * steps + k0 / 32) * H * bytes;
+            for (int64_t s = 0; s < kb / 32 * H; s++) {  // the block's step s / H, the panel's 16 columns s % H
+                prefetch_lines(src + (s + H * AHEAD_STEPS) * bytes, bytes);  // past the end too: never faults
+                float *dst = rows.data() + s / H * 32 * NC + 16 * (s % H);
                 form == Q4_1 ? unpack_step_fp32<Q4_1>(src + s * bytes, dst, NC)
                              : unpack_step_fp32<Q8_0>(src + s * bytes, dst, NC);
             }
