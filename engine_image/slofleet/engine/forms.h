@@ -66,11 +66,11 @@ template <int FORM>
 [[gnu::always_inline]] inline void unpack_step_fp32(const uint8_t *src, float *dst, int64_t row) {
     const __m128i parity = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     const uint8_t *scales = src + (FORM == Q4_1 ? 256 : 512);
-    auto halves = [](const uint8_t *at) {
+    auto fp16x8 = [](const uint8_t *at) {  // 8 columns' fp16 scales (or minimums)
         return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(at)));
     };
-    __m256 d[2] = {halves(scales), halves(scales + 16)}, m[2];
-    if constexpr (FORM == Q4_1) m[0] = halves(scales + 32), m[1] = halves(scales + 48);
+    __m256 d[2] = {fp16x8(scales), fp16x8(scales + 16)}, m[2];
+    if constexpr (FORM == Q4_1) m[0] = fp16x8(scales + 32), m[1] = fp16x8(scales + 48);
     for (int kk = 0; kk < 16; kk++) {
         __m128i half[2];  // columns 0-7 and 8-15 of k-rows 2 kk (bytes 0-7) and 2 kk + 1 (bytes 8-15)
         if constexpr (FORM == Q4_1) {
