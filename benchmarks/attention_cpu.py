@@ -10,10 +10,10 @@ from one process to the next while such pairs kept their order.
 
 Each build's median ms, the ratio and the largest output difference between the builds are printed.
 
---dtype is the caches' and queries' (default: bf16 where the CPU has bf16 kernels, else fp32, as LLM() picks on
-such CPUs).
+--dtype is the caches' and queries' (default: bfloat16 where the CPU has bf16 kernels, else float32, as LLM() picks
+on such CPUs).
 
-    .venv/bin/python benchmarks/attention_cpu.py [--base HEAD~1] [--ctx 240] [--rows 16] [--layers 30] [--dtype fp32]
+    .venv/bin/python benchmarks/attention_cpu.py [--base HEAD~1] [--ctx 240] [--rows 16] [--layers 30] [--dtype float32]
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from slofleet.engine import cpu_kernels
+from slofleet.engine import cpu_kernels, dtype_probe
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16  # the embedded model's attention
 POOL_BLOCKS = 2912  # its 1 GiB pool
@@ -94,7 +94,7 @@ def decode_case(libs: dict[str, ctypes.CDLL], args) -> None:
                                         torch.get_num_threads())
         return call
     for hot in (False, True):
-        report(f"decode {args.rows} x {args.ctx} ({'cache' if hot else 'memory'}, {str(args.dtype)[6:]})",
+        report(f"decode {args.rows} x {args.ctx} ({'cache' if hot else 'memory'}, {args.dtype_name})",
                alternate({name: run(name, hot) for name in libs}, args.rounds), outs)
 
 
@@ -126,7 +126,7 @@ def prefill_case(libs: dict[str, ctypes.CDLL], args) -> None:
                                           outs[name].data_ptr(), HEADS, KV_HEADS, DIM, BLOCK, DIM ** -0.5,
                                           cpu_kernels.DTYPES[args.dtype], torch.get_num_threads())
         return call
-    report(f"prefill 2048 ({kind}, {layers} layers, {str(args.dtype)[6:]})",
+    report(f"prefill 2048 ({kind}, {layers} layers, {args.dtype_name})",
            alternate({name: run(name) for name in libs}, args.rounds),
            outs)
 
@@ -145,13 +145,13 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=25)
-    ap.add_argument("--dtype", choices=("fp32", "bf16"))
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"))
     args = ap.parse_args()
     if cpu_kernels.load() is None:
         print("no CPU kernels on this machine (see the log for why)")
         return 1
-    bf16 = args.dtype == "bf16" or (args.dtype is None and bool(cpu_kernels.bf16_kernels()))
-    args.dtype = torch.bfloat16 if bf16 else torch.float32
+    args.dtype_name = args.dtype or ("bfloat16" if cpu_kernels.bf16_kernels() else "float32")
+    args.dtype = dtype_probe.DTYPES[args.dtype_name]
     with tempfile.TemporaryDirectory() as tmp:
         libs = {args.base: library(args.base, Path(tmp)), "tree": library(None, Path(tmp))}
         torch.manual_seed(0)

@@ -156,7 +156,7 @@ def test_the_fp32_gemm_on_the_form_is_the_fp32_gemm_bit_for_bit(rows, kind, k):
 @pytest.mark.parametrize("rows", [1, 17, 65])
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_avx2_fp32_gemm_on_the_form_is_bit_for_bit_too(rows, kind, avx2_build, monkeypatch):
-    """On an AVX-512 CPU, the AVX2 build's form_gemm (16-column panels, each one half of a form's 32 columns)."""
+    """On an AVX-512 CPU, the AVX2 build's form_gemm (16-column panels, each one forms.h step a k-step)."""
     monkeypatch.setattr(cpu_kernels, "load", lambda: avx2_build)
     monkeypatch.setattr(cpu_kernels, "panel_columns", lambda: avx2_build.gemm_panel_columns())
     monkeypatch.setattr(cpu_kernels, "unpacks", lambda dtype=torch.bfloat16: dtype == torch.float32)

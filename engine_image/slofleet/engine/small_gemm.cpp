@@ -11,8 +11,7 @@
 // Layouts: x [M, K] with rows x_row apart; panels [N / NC, K, NC] contiguous; y [M, N] contiguous.
 #include <algorithm>
 #include <cstdint>
-
-#include <vector>
+#include <memory>
 
 #include "cpu_kernels.h"
 #include "forms.h"
@@ -133,18 +132,22 @@ extern "C" int form_gemm(const float *x, int64_t x_row, const uint8_t *wq, float
                          int64_t k_len, int form, int threads) {
 #if defined(SLOFLEET_VEC) && defined(SLOFLEET_FP32_FORMS)
     constexpr int H = NC / 16;  // forms.h's 16-column steps a panel holds side by side
-    if (NC % 16 || n_len % NC || k_len % 32 || (form != Q4_1 && form != Q8_0)) return -1;
+    static_assert(NC % 16 == 0);
+    if (n_len % NC || k_len % 32 || (form != Q4_1 && form != Q8_0)) return -1;
     int64_t steps = k_len / 32, bytes = step_bytes(form), block = m_len <= FORM_BLOCK_ROWS ? FORM_BLOCK : k_len;
     run(x, x_row, y, m_len, n_len, k_len, block, threads, [&] {
-        return [&, rows = std::vector<float>(block * NC)](int64_t p, int64_t k0, int64_t kb) mutable -> const float * {
+        // a thread's panel rows, left unfilled (unpacking writes each before a tile reads it): zeroing 36-192 KiB a
+        // call was work on every GEMM of a step
+        return [&, rows = std::unique_ptr<float[]>(new float[block * NC])](int64_t p, int64_t k0,
+                                                                          int64_t kb) -> const float * {
             const uint8_t *src = wq + (p * steps + k0 / 32) * H * bytes;
             for (int64_t s = 0; s < kb / 32 * H; s++) {  // the block's step s / H, the panel's 16 columns s % H
                 prefetch_lines(src + (s + H * AHEAD_STEPS) * bytes, bytes);  // past the end too: never faults
-                float *dst = rows.data() + s / H * 32 * NC + 16 * (s % H);
+                float *dst = rows.get() + s / H * 32 * NC + 16 * (s % H);
                 form == Q4_1 ? unpack_step_fp32<Q4_1>(src + s * bytes, dst, NC)
                              : unpack_step_fp32<Q8_0>(src + s * bytes, dst, NC);
             }
-            return rows.data();
+            return rows.get();
         };
     });
     return 0;
