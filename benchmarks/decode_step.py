@@ -47,7 +47,7 @@ def main() -> int:
     args = ap.parse_args()
     engine = LLMEngine(max_num_seqs=max(args.batches))
     if engine.runner.model.stack is None:
-        print("the layer stack does not take this model here (it needs bf16 weights in a bf16 kernel's form)")
+        print("the layer stack does not take this model here (it needs its weights in a GEMM kernel's form)")
         return 1
     rng = random.Random(0)
     print(f"{'batch':>5} {'stack ms':>9} {'loop ms':>8} {'stack ms/seq':>13} {'loop ms/seq':>12} {'loop/stack':>10}")

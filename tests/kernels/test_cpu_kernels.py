@@ -216,6 +216,23 @@ def test_silu_mul_rounds_as_torch_in_bf16(rows, inter, monkeypatch):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("rows,inter", [(8, 1536), (300, 1536), (9, 1541)])  # 1541: a row tail past the vectors
+def test_the_fp32_silu_kernel_is_torchs_silu_bit_for_bit(rows, inter):
+    """fp32 SiLU-and-mul calls torch's own vector exp (cpu_kernels.TORCH_EXP), so its results are torch's; found and
+    taken wherever torch's CPU kernels run AVX2 (checked here) or AVX-512 (taken only where a probe agrees)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in cpu_kernels.TORCH_EXP:
+        pytest.skip(f"torch runs {capability} kernels here, with no vector exp the kernel takes")
+    if capability == "AVX512" and not cpu_kernels.has_silu_fp32():
+        pytest.skip("torch's AVX-512 SiLU is not g / (1 + Sleef's exp(-g)) in this torch: its ops run")
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn((rows, 2 * inter), generator=gen) * 6
+    assert cpu_kernels.silu_usable(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), torch.nn.functional.silu(gate).mul_(up), atol=0, rtol=0)
+    assert not cpu_kernels.silu_usable(gate_up[:7]), "a decode's few rows take torch's two ops, the same bits"
+
+
 def gemm_cases():
     """(rows, N, K): a lone decode, rows around the 8-row tile, a prefill chunk, prompts of several chunks of rows
     (1 MiB of x each: 455 rows at K = 576, 170 at 1536; the last chunk short); K off the vector width too."""

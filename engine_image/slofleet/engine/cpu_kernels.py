@@ -5,7 +5,10 @@ anything else takes torch, as does every op where the kernels did not build (ker
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import logging
+from pathlib import Path
 
 import torch
 
@@ -14,6 +17,7 @@ from . import quant
 # the library's names are cpu_kernels' too, for the tests and benchmarks that build other variants of it
 from .kernel_library import FLAGS, HEADERS, HERE, SIGNATURES, SOURCES, build, compiler, load, open_library  # noqa: F401
 
+log = logging.getLogger("slofleet.engine.kernel")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM, MAX_GROUP, MAX_ROPE_DIM = 256, 16, 1024  # the kernels' stack buffers
 TILE = 32  # the bf16 kernels take N and K in multiples of this
@@ -101,18 +105,47 @@ def has_silu() -> bool:
     return load() is not None and load().silu_mul_bf16(None, 0, None, 0, 0, 1) == 0
 
 
+# torch's vectorised fp32 exp at the CPU capability its kernels run (torch.backends.cpu), which its SiLU calls: Sleef's
+TORCH_EXP = {"AVX2": ("Sleef_expf8_u10", 8), "AVX512": ("Sleef_expf16_u10", 16)}
+
+
+@functools.cache
+def has_silu_fp32() -> bool:
+    """Whether fp32 SiLU-and-mul runs in the kernel: with torch's own vector exp, found in torch's library and taken
+    by the kernel, and only where a probe's results are torch's bit for bit (else torch's ops run)."""
+    name, lanes = TORCH_EXP.get(torch.backends.cpu.get_cpu_capability(), (None, 0))
+    found = sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
+    if load() is None or name is None or not found:
+        return False
+    try:
+        exp = ctypes.cast(getattr(ctypes.CDLL(str(found[0])), name), ctypes.c_void_p)
+    except (OSError, AttributeError):
+        return False
+    if load().set_silu_exp(exp, lanes) != 0:
+        return False
+    spread = torch.randn(6000, generator=torch.Generator().manual_seed(0)) * 6
+    probe = torch.cat((torch.linspace(-120.0, 100.0, 6000), spread)).reshape(3, 4000)  # 2,000 a row: a tail too
+    gate, up = probe.chunk(2, dim=-1)
+    if not torch.equal(silu_mul(probe), torch.nn.functional.silu(gate).mul_(up)):
+        log.warning("fp32 SiLU with torch's %s differs from torch's own: torch's ops run", name)
+        return False
+    return True
+
+
 def silu_usable(gate_up: torch.Tensor) -> bool:
-    """bf16 rows of a prefill chunk: a decode's product is column-major, and below ~8 rows a call costs more than
-    torch's two ops."""
-    return (gate_up.dtype == torch.bfloat16 and gate_up.shape[0] >= 8 and gate_up.stride(1) == 1
-            and usable(gate_up) and has_silu())
+    """Rows of a prefill chunk with a contiguous last dimension (a decode's product is column-major, and below ~8 rows
+    a call costs more than torch's two ops): bf16 on AVX-512, fp32 where the kernel has torch's exp."""
+    if gate_up.shape[0] < 8 or gate_up.stride(1) != 1 or not usable(gate_up):
+        return False
+    return has_silu_fp32() if gate_up.dtype == torch.float32 else has_silu()
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a fused bf16 [rows, 2 x inter] projection with contiguous rows (see silu_usable)."""
+    """silu(gate) * up of a fused [rows, 2 x inter] projection with contiguous rows (see silu_usable)."""
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
-    load().silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads())
+    kernel = load().silu_mul_fp32 if gate_up.dtype == torch.float32 else load().silu_mul_bf16
+    kernel(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads())
     return out
 
 

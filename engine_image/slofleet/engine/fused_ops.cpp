@@ -1,8 +1,9 @@
 // Element-wise layers of a decoder step fused into one pass each (cpu_kernels.py calls them).
 //
 // In torch each of these is five to eight small ops, each a pass over memory and a few microseconds of dispatch;
-// at a decode step's few rows the dispatch dominates, at a prefill chunk's hundreds the passes do. SiLU-and-mul is
-// here only with AVX-512 (a plain loop's exp lost to torch's vectorised one). The roundings
+// at a decode step's few rows the dispatch dominates, at a prefill chunk's hundreds the passes do. SiLU-and-mul in bf16 is
+// here only with AVX-512 (a plain loop's exp lost to torch's vectorised one); in fp32 it calls torch's own vector exp,
+// so its bits are torch's. The roundings
 // are torch's: bf16 operands are widened to fp32, and every intermediate torch would store in bf16 is rounded here
 // too, so results differ from the torch path only where a sum's order or exp's last bits do.
 // dtype 0 = fp32, 1 = bf16. Rows run in parallel on torch's OpenMP threads when there are enough of them.
@@ -123,7 +124,72 @@ void silu_rows(const uint16_t *gate_up, int64_t g_row, uint16_t *out, int64_t ro
 }
 #endif
 
+// torch's vectorised exp for fp32 (Sleef's, at the vector width torch's CPU kernels run), handed over by cpu_kernels.py
+// from torch's own library: with it, fp32 SiLU here is torch's arithmetic, g / (1 + exp(-g)), bit for bit.
+void *torch_exp = nullptr;
+int torch_exp_lanes = 0;
+
+// One row's silu(g) * u as torch's element-wise loops run silu: two vectors at a time, the rest one by one with the C
+// library's exp (torch's scalar path); the product of the stored silu is exact either way, so it is taken at once.
+template <int L, class Op>
+void silu_row(const float *g, const float *u, float *out, int64_t n, Op op) {
+    int64_t i = 0;
+    for (; i + 2 * L <= n; i += 2 * L) op(g + i, u + i, out + i), op(g + i + L, u + i + L, out + i + L);
+    for (; i < n; i++) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+void silu_rows_fp32(const float *gate_up, int64_t g_row, float *out, int64_t rows, int64_t inter, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * inter >= PARALLEL_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * g_row;
+        float *o = out + r * inter;
+#if defined(__AVX512F__)
+        if (torch_exp_lanes == 16) {
+            auto e = reinterpret_cast<__m512 (*)(__m512)>(torch_exp);
+            silu_row<16>(g, g + inter, o, inter, [e](const float *gi, const float *ui, float *to) {
+                __m512 v = _mm512_loadu_ps(gi);
+                __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), e(_mm512_sub_ps(_mm512_setzero_ps(), v)));
+                _mm512_storeu_ps(to, _mm512_mul_ps(_mm512_div_ps(v, d), _mm512_loadu_ps(ui)));
+            });
+            continue;
+        }
+#endif
+#if defined(__AVX2__)
+        auto e = reinterpret_cast<__m256 (*)(__m256)>(torch_exp);
+        silu_row<8>(g, g + inter, o, inter, [e](const float *gi, const float *ui, float *to) {
+            __m256 v = _mm256_loadu_ps(gi);
+            __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), e(_mm256_sub_ps(_mm256_setzero_ps(), v)));
+            _mm256_storeu_ps(to, _mm256_mul_ps(_mm256_div_ps(v, d), _mm256_loadu_ps(ui)));
+        });
+#endif
+    }
+}
+
 }  // namespace
+
+// Takes torch's vectorised fp32 exp (fn, of `lanes` floats a vector: 8 for AVX2, 16 for AVX-512) for silu_mul_fp32.
+// Returns -1 where this build has no vectors of that width.
+extern "C" int set_silu_exp(void *fn, int lanes) {
+#if defined(__AVX512F__)
+    bool takes = lanes == 8 || lanes == 16;
+#elif defined(__AVX2__)
+    bool takes = lanes == 8;
+#else
+    bool takes = false;
+#endif
+    if (!takes || !fn) return -1;
+    torch_exp = fn, torch_exp_lanes = lanes;
+    return 0;
+}
+
+// fp32 gate_up [M, 2I] with contiguous rows (g_row elements apart), out [M, I] = silu(gate) * up in torch's arithmetic
+// (set_silu_exp). Returns -1 before set_silu_exp took an exp (rows = 0 asks only that).
+extern "C" int silu_mul_fp32(const float *gate_up, int64_t g_row, float *out, int64_t rows, int64_t inter,
+                             int threads) {
+    if (!torch_exp) return -1;
+    silu_rows_fp32(gate_up, g_row, out, rows, inter, threads);
+    return 0;
+}
 
 // x [M, H] contiguous, updated in place to x + y when y is given (y: any strides, as a W @ x.T product's transposed
 // view has); out [M, H] = w * (x / rms(x)). RMSNorm as the checkpoints define it: the mean of squares in fp32, the

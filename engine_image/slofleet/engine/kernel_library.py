@@ -45,6 +45,8 @@ SIGNATURES = {
     "rope": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
     "kv_store": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
     "silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i32],
+    "silu_mul_fp32": [_ptr, _i64, _ptr, _i64, _i64, _i32],
+    "set_silu_exp": [_ptr, _i32],
     "small_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32],
     "form_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
     "gemm_panel_columns": [],

@@ -3,9 +3,11 @@
 The model's Python layer calls nine kernels a layer through ctypes, each behind its argument checks, views and output
 allocation: at a decode step's few rows that glue cost as much as a kernel. Here the kernels and their buffers are the
 same and run in the same order, so the bits are the same; what is left in Python is one plan and one call a step.
-Taken where the weights are bf16 in a bf16 kernel's packed form (gate/up paired, no biases), every row of the step
-goes to the attention kernels and the KV-store kernel, and the step has at most cpu_kernels.DIRECT_ROWS tokens
-(beyond, a quantised form is unpacked whole first; the glue is a small share of such a step anyway).
+Taken where every projection is in a GEMM kernel's packed form with no bias: bf16 in a bf16 kernel's (gate/up paired;
+steps of at most cpu_kernels.DIRECT_ROWS tokens, beyond which a quantised form is unpacked whole first and the glue is
+a small share of the step anyway), or fp32 in small_gemm's (plain panels or GGUF forms; gate/up's product then the
+SiLU kernel, which needs torch's exp: cpu_kernels.has_silu_fp32); and where every row of the step goes to the
+attention kernels and the KV-store kernel.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from . import cpu_kernels
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-GEMMS = {"tile_gemm": 1, "dot_gemm": 2}  # layer_stack.cpp's StackShape.gemm
+GEMMS = {"tile_gemm": 1, "dot_gemm": 2, "small_gemm": 3}  # layer_stack.cpp's StackShape.gemm
 
 
 class Shape(ctypes.Structure):
@@ -31,8 +33,8 @@ class Layer(ctypes.Structure):
 
 
 class Step(ctypes.Structure):
-    _fields_ = [(n, _ptr) for n in ("x", "delta", "h", "qkv", "attn", "act", "cos", "sin", "slots", "tables",
-                                    "decodes", "prefills", "starts", "qlens", "lens")] + [
+    _fields_ = [(n, _ptr) for n in ("x", "delta", "h", "qkv", "attn", "act", "gate_up", "cos", "sin", "slots",
+                                    "tables", "decodes", "prefills", "starts", "qlens", "lens")] + [
         (n, _i64) for n in ("tokens", "table_stride", "n_decodes", "n_prefills")]
 
 
@@ -42,6 +44,7 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 @dataclass(slots=True, kw_only=True)
 class LayerStack:
     attention: object  # their TorchAttention, whose plan sends rows to the kernels
+    dtype: torch.dtype  # of the weights' kernel, and so of every step's rows
     shape: Shape
     table: ctypes.Array  # one Layer a decoder layer; its caches set by bind()
     bound: list | None = None  # the kv caches the table points at
@@ -49,17 +52,20 @@ class LayerStack:
     @classmethod
     def build(cls, model) -> LayerStack | None:
         """The stack of a packed model (CausalLM.pack), or None where some layer's work is not all the kernels'."""
-        layers, kernel = list(model.layers), cpu_kernels.bf16_gemm()
+        layers = list(model.layers)
         first = layers[0]
-        if kernel not in GEMMS or first.input_layernorm.weight.dtype != torch.bfloat16 or not hasattr(first.attention,
-                                                                                                     "plan"):
+        dtype = first.input_layernorm.weight.dtype
+        kernel = {torch.bfloat16: cpu_kernels.bf16_gemm(),
+                  torch.float32: "small_gemm" if cpu_kernels.has_silu_fp32() else None}.get(dtype)
+        if kernel not in GEMMS or not hasattr(first.attention, "plan"):
             return None
         for layer in layers:
             linears = [getattr(layer, name) for name in PROJECTIONS]
-            if (any(m.panels is None or m.bias is not None for m in linears) or not layer.gate_up_proj.paired
+            if (any(m.panels is None or m.bias is not None or cpu_kernels.form_dtype(m.panels) != dtype
+                    for m in linears) or layer.gate_up_proj.paired != (dtype == torch.bfloat16)
                     or layer.head_dim > cpu_kernels.MAX_ROPE_DIM):
                 return None
-        prefill = cpu_kernels.prefill_kernel(torch.bfloat16, first.n_heads, first.n_kv, first.head_dim)
+        prefill = cpu_kernels.prefill_kernel(dtype, first.n_heads, first.n_kv, first.head_dim)
         shape = Shape(hidden=first.o_proj.out_features, heads=first.n_heads, kv_heads=first.n_kv,
                       head_dim=first.head_dim, inter=first.down_proj.in_features,
                       block_size=first.attention.block_size, gemm=GEMMS[kernel], prefill=int(prefill == "tile_prefill"),
@@ -71,7 +77,7 @@ class LayerStack:
                 setattr(entry, f"{name}_form", cpu_kernels.form_of(m.panels))
             entry.in_norm = layer.input_layernorm.weight.data_ptr()
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-        return cls(attention=first.attention, shape=shape, table=table)
+        return cls(attention=first.attention, dtype=dtype, shape=shape, table=table)
 
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self.bound is not kv_caches:
@@ -84,7 +90,8 @@ class LayerStack:
         """(x, delta) after every layer, as the layers' loop gives them, or None where this step is not all the
         kernels' (the loop runs it)."""
         s, tokens = self.shape, x.shape[0]
-        if tokens > cpu_kernels.DIRECT_ROWS or len(kv_caches) != len(self.table) or x.dtype != torch.bfloat16:
+        bf16 = self.dtype == torch.bfloat16
+        if (bf16 and tokens > cpu_kernels.DIRECT_ROWS) or len(kv_caches) != len(self.table) or x.dtype != self.dtype:
             return None
         hd, kv = s.head_dim, s.kv_heads * s.head_dim
         qkv = x.new_empty((tokens, (s.heads + 2 * s.kv_heads) * hd))
@@ -101,8 +108,10 @@ class LayerStack:
         decodes, prefills = kernel.get("decode"), kernel.get("prefill")
         delta, h = torch.empty_like(x), torch.empty_like(x)
         attn, act = x.new_empty((tokens, s.heads * hd)), x.new_empty((tokens, s.inter))
+        gate_up = None if bf16 else x.new_empty((tokens, 2 * s.inter))
         step = Step(x=x.data_ptr(), delta=delta.data_ptr(), h=h.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
-                    act=act.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), slots=meta.slot_mapping.data_ptr(),
+                    act=act.data_ptr(), gate_up=None if gate_up is None else gate_up.data_ptr(), cos=cos.data_ptr(),
+                    sin=sin.data_ptr(), slots=meta.slot_mapping.data_ptr(),
                     tables=tables.data_ptr(), starts=starts.data_ptr(), qlens=qlens.data_ptr(), lens=lens.data_ptr(),
                     decodes=None if decodes is None else decodes.data_ptr(),
                     prefills=None if prefills is None else prefills.data_ptr(),

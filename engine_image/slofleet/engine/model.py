@@ -84,7 +84,7 @@ def swiglu(x: torch.Tensor, gate_up: nn.Linear) -> torch.Tensor:
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the fused projection; the AVX-512 kernel, where it applies, rounds as torch's ops do."""
+    """silu(gate) * up of the fused projection; the kernel, where it applies, rounds as torch's ops do."""
     if cpu_kernels.silu_usable(gate_up):
         return cpu_kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
