@@ -51,6 +51,9 @@ void tile(const float *x, int64_t x_row, const float *wt, int64_t n_len, int64_t
     }
     for (int64_t k = 0; k < k_len; k++) {
         T w0 = Vec::loadu(wt + k * NC), w1 = Vec::loadu(wt + k * NC + Vec::N);
+        // in registers: with few rows GCC otherwise folds the loads into every FMA, a load each (4 rows on AVX2: 5.7
+        // cycles a k-step against 4.6 for 5 rows)
+        asm("" : "+x"(w0), "+x"(w1));
         prefetch_lines(wt + (k + AHEAD) * NC, NC * sizeof(float));  // past the panel's end too: never faults
         for (int m = 0; m < mr; m++) {
             T xv = Vec::set1(x[m * x_row + k]);
@@ -93,13 +96,16 @@ void run(const float *x, int64_t x_row, float *y, int64_t m_len, int64_t n_len, 
         for (int64_t it = 0; it < panels * chunks; it++) {
             int64_t p = it % panels, m0 = it / panels * rows, end = std::min(m_len, m0 + rows);
             for (int64_t k0 = 0; k0 < k_len; k0 += block) {
-                int64_t kb = std::min(block, k_len - k0), m = m0;
+                int64_t kb = std::min(block, k_len - k0), tiles = (end - m0 + MR - 1) / MR;
                 const float *w = panel(p, k0, kb), *xk = x + k0;
                 float *yp = y + p * NC;
-                for (; m + MR <= end; m += MR) tile<MR>(xk + m * x_row, x_row, w, n_len, kb, yp + m * n_len, !k0);
-                with_rows<MR - 1>(int(end - m), [&](auto mr) {
-                    tile<mr>(xk + m * x_row, x_row, w, n_len, kb, yp + m * n_len, !k0);
-                });
+                // the rows in tiles as even as they go: a short last tile costs nearly a whole one (16 rows on AVX2 as
+                // 6 + 5 + 5, not 6 + 6 + 4); each row's sums run in the same order whatever its tile
+                for (int64_t t = 0, m = m0; t < tiles; t++) {
+                    int mr = int((end - m0) / tiles + (t < (end - m0) % tiles));
+                    with_rows<MR>(mr, [&](auto r) { tile<r>(xk + m * x_row, x_row, w, n_len, kb, yp + m * n_len, !k0); });
+                    m += mr;
+                }
             }
         }
     }
