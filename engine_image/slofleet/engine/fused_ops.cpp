@@ -1,11 +1,11 @@
 // Element-wise layers of a decoder step fused into one pass each (cpu_kernels.py calls them).
 //
 // In torch each of these is five to eight small ops, each a pass over memory and a few microseconds of dispatch;
-// at a decode step's few rows the dispatch dominates, at a prefill chunk's hundreds the passes do. SiLU-and-mul in bf16 is
-// here only with AVX-512 (a plain loop's exp lost to torch's vectorised one); in fp32 it calls torch's own vector exp,
-// so its bits are torch's. The roundings
-// are torch's: bf16 operands are widened to fp32, and every intermediate torch would store in bf16 is rounded here
-// too, so results differ from the torch path only where a sum's order or exp's last bits do.
+// at a decode step's few rows the dispatch dominates, at a prefill chunk's hundreds the passes do. SiLU-and-mul in
+// bf16 is here only with AVX-512 (a plain loop's exp lost to torch's vectorised one); in fp32 it calls torch's own
+// vector exp, so its bits are torch's. The roundings are torch's: bf16 operands are widened to fp32, and every
+// intermediate torch would store in bf16 is rounded here too, so results differ from the torch path only where a sum's
+// order or exp's last bits do.
 // dtype 0 = fp32, 1 = bf16. Rows run in parallel on torch's OpenMP threads when there are enough of them.
 #include <cmath>
 #include <cstdint>

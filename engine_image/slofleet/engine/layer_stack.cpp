@@ -1,7 +1,7 @@
 // A step's decoder layers in one call: the kernels the Python layer calls one by one (fused_ops.cpp, tile_gemm.cpp,
 // dot_gemm.cpp, small_gemm.cpp, paged_attention.cpp, prefill_attention.cpp, tile_attention.cpp), in the same order on
-// the same buffers, so the same bits. At a decode step's few rows, the Python between those calls (argument checks, views,
-// ctypes marshalling, tensor allocations) cost about as much as a kernel, nine times a layer (layer_stack.py).
+// the same buffers, so the same bits. At a decode step's few rows, the Python between those calls (argument checks,
+// views, ctypes marshalling, tensor allocations) cost about as much as a kernel, nine times a layer (layer_stack.py).
 #include <cstdint>
 
 extern "C" {
@@ -105,9 +105,9 @@ extern "C" int layer_stack(const StackShape *shape, const StackLayer *layers, in
         if (bf16) {
             rc |= gemm(s, t.h, s.hidden, l.gate_up, l.gate_up_form, t.act, s.inter, 2 * s.inter, s.hidden, 1, m);
         } else {
-            rc |= gemm(s, t.h, s.hidden, l.gate_up, l.gate_up_form, t.gate_up, 2 * s.inter, 2 * s.inter, s.hidden, 0, m);
-            rc |= silu_mul_fp32(static_cast<const float *>(t.gate_up), 2 * s.inter, static_cast<float *>(t.act), m,
-                                s.inter, th);
+            int64_t gu = 2 * s.inter;
+            rc |= gemm(s, t.h, s.hidden, l.gate_up, l.gate_up_form, t.gate_up, gu, gu, s.hidden, 0, m);
+            rc |= silu_mul_fp32(static_cast<const float *>(t.gate_up), gu, static_cast<float *>(t.act), m, s.inter, th);
         }
         rc |= gemm(s, t.act, s.inter, l.down, l.down_form, t.delta, s.hidden, s.hidden, s.inter, 0, m);
         if (rc) return -1;

@@ -103,7 +103,9 @@ void run(const float *x, int64_t x_row, float *y, int64_t m_len, int64_t n_len, 
                 // 6 + 5 + 5, not 6 + 6 + 4); each row's sums run in the same order whatever its tile
                 for (int64_t t = 0, m = m0; t < tiles; t++) {
                     int mr = int((end - m0) / tiles + (t < (end - m0) % tiles));
-                    with_rows<MR>(mr, [&](auto r) { tile<r>(xk + m * x_row, x_row, w, n_len, kb, yp + m * n_len, !k0); });
+                    with_rows<MR>(mr, [&](auto r) {
+                        tile<r>(xk + m * x_row, x_row, w, n_len, kb, yp + m * n_len, !k0);
+                    });
                     m += mr;
                 }
             }
