@@ -251,6 +251,21 @@ def test_the_fp32_gemm_kernel_matches_torch(rows, n, k):
     torch.testing.assert_close(got, x @ w.T, atol=1e-4 * k ** 0.5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n", [96, 960])  # on AVX2 6 panels (at one row a tile of 4 side by side, then 2), and 60
+def test_a_rows_fp32_product_is_the_same_bits_in_any_batch(n):
+    """small_gemm's sums run in one order whatever a step's rows (one or two rows' wide tiles, a tile's, a chunk's),
+    so a sequence's logits do not depend on what it is batched with: speculative verification relies on it."""
+    if not cpu_kernels.panel_columns():
+        pytest.skip("no AVX2 or AVX-512 here: the GEMM kernel is not built and torch's runs")
+    gen = torch.Generator().manual_seed(n)
+    w, x = torch.randn((n, 576), generator=gen), torch.randn((40, 576), generator=gen)
+    packed = cpu_kernels.pack(w)
+    whole = cpu_kernels.gemm(x, packed)
+    for size in (1, 2, 3, 16):
+        parts = torch.cat([cpu_kernels.gemm(x[i:i + size], packed) for i in range(0, len(x), size)])
+        assert torch.equal(parts, whole), f"rows {size} at a time"
+
+
 def test_only_what_the_gemm_kernel_takes_is_packed():
     c = cpu_kernels.panel_columns()
     if not c:

@@ -145,7 +145,7 @@ def form_gemm_is_small_gemm(rows: int, kind: str, k: int) -> None:
 @needs_kernels
 @needs_fp32_forms
 # up to 64 rows, blocks of 128 k-rows (K = 576: the last 64); 1,000 at K = 1,536: six chunks of rows, each unpacking
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 65, 100, 1000])
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 64, 65, 100, 1000])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("k", [576, 1536])
 def test_the_fp32_gemm_on_the_form_is_the_fp32_gemm_bit_for_bit(rows, kind, k):
@@ -153,7 +153,7 @@ def test_the_fp32_gemm_on_the_form_is_the_fp32_gemm_bit_for_bit(rows, kind, k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 17, 65])
+@pytest.mark.parametrize("rows", [1, 2, 17, 65])
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_avx2_fp32_gemm_on_the_form_is_bit_for_bit_too(rows, kind, avx2_build, monkeypatch):
     """On an AVX-512 CPU, the AVX2 build's form_gemm (16-column panels, each one forms.h step a k-step)."""

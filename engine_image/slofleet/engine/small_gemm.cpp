@@ -40,28 +40,46 @@ constexpr int64_t AHEAD_STEPS = 4;  // a form's k-steps of 32 ahead that its unp
 // below.
 constexpr int64_t FORM_BLOCK = 128, FORM_BLOCK_ROWS = Vec::N == 16 ? 64 : 0;
 
-// Sums over k in [0, k_len) of x's row block by the panel's rows wt, added to y's sums so far unless `first`: an fp32
-// sum stored and loaded back is the same sum, so a K split into blocks adds in the same order, with the same bits.
-template <int mr>
-void tile(const float *x, int64_t x_row, const float *wt, int64_t n_len, int64_t k_len, float *y, bool first) {
-    T acc[mr][2];
-    for (int m = 0; m < mr; m++) {
-        acc[m][0] = first ? Vec::zero() : Vec::loadu(y + m * n_len);
-        acc[m][1] = first ? Vec::zero() : Vec::loadu(y + m * n_len + Vec::N);
-    }
+// Panels a tile takes side by side at a step of one or two rows (wide_panels), where a one-panel tile's few sums each
+// wait on their own last FMA (4 cycles a k-step on AVX2, where its two FMAs would take one): G panels keep G times as
+// many sums in flight, each still adding its k-steps in order.
+constexpr int WIDE = 4;
+constexpr int64_t wide_panels(int64_t m_len) { return m_len == 1 ? WIDE : m_len == 2 ? 2 : 1; }
+
+// Sums over k in [0, k_len) of x's row block by the rows of G panels wt[0 .. G) (their columns side by side in y, NC
+// apart), added to y's sums so far unless `first`: an fp32 sum stored and loaded back is the same sum, so a K split
+// into blocks adds in the same order, with the same bits, as does every tile whatever its rows and panels.
+template <int mr, int G = 1>
+void tile(const float *x, int64_t x_row, const float *const *wt, int64_t n_len, int64_t k_len, float *y, bool first) {
+    T acc[mr][G][2];
+    for (int m = 0; m < mr; m++)
+        for (int g = 0; g < G; g++)
+            for (int h = 0; h < 2; h++)
+                acc[m][g][h] = first ? Vec::zero() : Vec::loadu(y + m * n_len + g * NC + h * Vec::N);
     for (int64_t k = 0; k < k_len; k++) {
-        T w0 = Vec::loadu(wt + k * NC), w1 = Vec::loadu(wt + k * NC + Vec::N);
-        // in registers: with few rows GCC otherwise folds the loads into every FMA, a load each (4 rows on AVX2: 5.7
-        // cycles a k-step against 4.6 for 5 rows)
-        asm("" : "+x"(w0), "+x"(w1));
-        prefetch_lines(wt + (k + AHEAD) * NC, NC * sizeof(float));  // past the panel's end too: never faults
-        for (int m = 0; m < mr; m++) {
-            T xv = Vec::set1(x[m * x_row + k]);
-            acc[m][0] = Vec::fmadd(xv, w0, acc[m][0]);
-            acc[m][1] = Vec::fmadd(xv, w1, acc[m][1]);
+        T xv[G > 1 ? mr : 1];  // with several panels, x's broadcasts held across them (one or two rows: registers spare)
+        if constexpr (G > 1)
+            for (int m = 0; m < mr; m++) xv[m] = Vec::set1(x[m * x_row + k]);
+        for (int g = 0; g < G; g++) {
+            T w0 = Vec::loadu(wt[g] + k * NC), w1 = Vec::loadu(wt[g] + k * NC + Vec::N);
+            // in registers: with few rows GCC otherwise folds the loads into every FMA, a load each (4 rows on AVX2:
+            // 5.7 cycles a k-step against 4.6 for 5 rows)
+            asm("" : "+x"(w0), "+x"(w1));
+            prefetch_lines(wt[g] + (k + AHEAD) * NC, NC * sizeof(float));  // past the panel's end too: never faults
+            for (int m = 0; m < mr; m++) {
+                T b;
+                if constexpr (G > 1)
+                    b = xv[m];
+                else
+                    b = Vec::set1(x[m * x_row + k]);
+                acc[m][g][0] = Vec::fmadd(b, w0, acc[m][g][0]);
+                acc[m][g][1] = Vec::fmadd(b, w1, acc[m][g][1]);
+            }
         }
     }
-    for (int m = 0; m < mr; m++) Vec::storeu(y + m * n_len, acc[m][0]), Vec::storeu(y + m * n_len + Vec::N, acc[m][1]);
+    for (int m = 0; m < mr; m++)
+        for (int g = 0; g < G; g++)
+            for (int h = 0; h < 2; h++) Vec::storeu(y + m * n_len + g * NC + h * Vec::N, acc[m][g][h]);
 }
 
 #endif
@@ -80,33 +98,46 @@ extern "C" int gemm_panel_columns() {
 #if defined(SLOFLEET_VEC)
 namespace {
 
-// y = x @ W.T over items of a chunk of rows by a panel, chunk-major in chunks of equal rows, so a static schedule gives
-// each thread as many rows, over all panels; each item in blocks of `block` k-steps. `source()` makes a thread's
-// (p, k0, kb) -> panel p's fp32 rows k0 .. k0 + kb, NC apart.
+// y = x @ W.T over items of a chunk of rows by a panel (by wide_panels panels at one or two rows), chunk-major in
+// chunks of equal rows, so a static schedule gives each thread as many rows, over all panels; each item in blocks of
+// `block` k-steps. `source()` makes a thread's (p, k0, kb, slot) -> panel p's fp32 rows k0 .. k0 + kb, NC apart (a
+// form's unpacked into the thread's buffer `slot`, of WIDE).
 template <class Source>
 void run(const float *x, int64_t x_row, float *y, int64_t m_len, int64_t n_len, int64_t k_len, int64_t block,
          int threads, Source source) {
     if (m_len <= 0 || n_len <= 0) return;
     int64_t panels = n_len / NC, most = std::max<int64_t>(MR, CHUNK_BYTES / std::max<int64_t>(k_len * 4, 1));
     int64_t chunks = (m_len + most - 1) / most, rows = ((m_len + chunks - 1) / chunks + MR - 1) / MR * MR;
+    int64_t wide = wide_panels(m_len), groups = (panels + wide - 1) / wide;
 #pragma omp parallel num_threads(threads)
     {
         auto panel = source();
 #pragma omp for schedule(static)
-        for (int64_t it = 0; it < panels * chunks; it++) {
-            int64_t p = it % panels, m0 = it / panels * rows, end = std::min(m_len, m0 + rows);
+        for (int64_t it = 0; it < groups * chunks; it++) {
+            int64_t p0 = it % groups * wide, m0 = it / groups * rows, end = std::min(m_len, m0 + rows);
             for (int64_t k0 = 0; k0 < k_len; k0 += block) {
                 int64_t kb = std::min(block, k_len - k0), tiles = (end - m0 + MR - 1) / MR;
-                const float *w = panel(p, k0, kb), *xk = x + k0;
-                float *yp = y + p * NC;
-                // the rows in tiles as even as they go: a short last tile costs nearly a whole one (16 rows on AVX2 as
-                // 6 + 5 + 5, not 6 + 6 + 4); each row's sums run in the same order whatever its tile
-                for (int64_t t = 0, m = m0; t < tiles; t++) {
-                    int mr = int((end - m0) / tiles + (t < (end - m0) % tiles));
-                    with_rows<MR>(mr, [&](auto r) {
-                        tile<r>(xk + m * x_row, x_row, w, n_len, kb, yp + m * n_len, !k0);
-                    });
-                    m += mr;
+                const float *xk = x + k0;
+                if (wide > 1 && p0 + wide <= panels) {  // one or two rows (m0 = 0), a whole group of panels
+                    const float *w[WIDE];
+                    for (int g = 0; g < wide; g++) w[g] = panel(p0 + g, k0, kb, g);
+                    float *yp = y + p0 * NC;
+                    wide == WIDE ? tile<1, WIDE>(xk, x_row, w, n_len, kb, yp, !k0)
+                                 : tile<2, 2>(xk, x_row, w, n_len, kb, yp, !k0);
+                    continue;
+                }
+                for (int64_t p = p0; p < std::min(panels, p0 + wide); p++) {
+                    const float *w = panel(p, k0, kb, 0);
+                    float *yp = y + p * NC;
+                    // the rows in tiles as even as they go: a short last tile costs nearly a whole one (16 rows on
+                    // AVX2 as 6 + 5 + 5, not 6 + 6 + 4); each row's sums run in the same order whatever its tile
+                    for (int64_t t = 0, m = m0; t < tiles; t++) {
+                        int mr = int((end - m0) / tiles + (t < (end - m0) % tiles));
+                        with_rows<MR>(mr, [&](auto r) {
+                            tile<r>(xk + m * x_row, x_row, &w, n_len, kb, yp + m * n_len, !k0);
+                        });
+                        m += mr;
+                    }
                 }
             }
         }
@@ -122,7 +153,7 @@ extern "C" int small_gemm(const float *x, int64_t x_row, const float *wt, float 
 #if defined(SLOFLEET_VEC)
     if (n_len % NC) return -1;
     run(x, x_row, y, m_len, n_len, k_len, std::max<int64_t>(k_len, 1), threads, [&] {
-        return [&](int64_t p, int64_t, int64_t) { return wt + p * NC * k_len; };
+        return [&](int64_t p, int64_t, int64_t, int) { return wt + p * NC * k_len; };
     });
     return 0;
 #else
@@ -146,16 +177,17 @@ extern "C" int form_gemm(const float *x, int64_t x_row, const uint8_t *wq, float
     run(x, x_row, y, m_len, n_len, k_len, block, threads, [&] {
         // a thread's panel rows, left unfilled (unpacking writes each before a tile reads it): zeroing 36-192 KiB a
         // call was work on every GEMM of a step
-        return [&, rows = std::unique_ptr<float[]>(new float[block * NC])](int64_t p, int64_t k0,
-                                                                          int64_t kb) -> const float * {
+        auto buffer = std::unique_ptr<float[]>(new float[wide_panels(m_len) * block * NC]);
+        return [&, rows = std::move(buffer)](int64_t p, int64_t k0, int64_t kb, int slot) -> const float * {
             const uint8_t *src = wq + (p * steps + k0 / 32) * H * bytes;
+            float *out = rows.get() + slot * block * NC;
             for (int64_t s = 0; s < kb / 32 * H; s++) {  // the block's step s / H, the panel's 16 columns s % H
                 prefetch_lines(src + (s + H * AHEAD_STEPS) * bytes, bytes);  // past the end too: never faults
-                float *dst = rows.get() + s / H * 32 * NC + 16 * (s % H);
+                float *dst = out + s / H * 32 * NC + 16 * (s % H);
                 form == Q4_1 ? unpack_step_fp32<Q4_1>(src + s * bytes, dst, NC)
                              : unpack_step_fp32<Q8_0>(src + s * bytes, dst, NC);
             }
-            return rows.get();
+            return out;
         };
     });
     return 0;
