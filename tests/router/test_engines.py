@@ -48,8 +48,10 @@ def router(engines, tmp_path_factory):
     r.stop()
 
 
-def completion(router, prompt: str, max_tokens: int = 4, key: str = "sk-test", **headers) -> httpx.Response:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+def completion(router, prompt: str, max_tokens: int = 4, key: str = "sk-test", body: dict | None = None,
+               **headers) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            **(body or {})}
     return httpx.post(router.url + "/v1/completions", json=body, timeout=120,
                       headers={"authorization": f"Bearer {key}", **headers})
 
@@ -109,7 +111,10 @@ def test_shedding_follows_priority(engines, tmp_path):
             before = len(codes) + inflight()
             headers = {"x-tier": "batch"} if bucket == "batch" else {}
             t = threading.Thread(target=lambda: codes.append(
-                (bucket, completion(r, "Count slowly: one two", 32, **headers).status_code)))
+                # 256 tokens, EOS ignored: each admitted request holds its slot for seconds, far longer than firing
+                # all six takes however fast the engine decodes (32 tokens once ended before the last was fired)
+                (bucket, completion(r, "Count slowly: one two", 256, body={"ignore_eos": True},
+                                    **headers).status_code)))
             t.start()
             while len(codes) + inflight() == before:  # admitted (in flight) or refused: then the next one
                 time.sleep(0.01)
