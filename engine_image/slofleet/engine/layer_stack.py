@@ -55,8 +55,11 @@ class LayerStack:
         layers = list(model.layers)
         first = layers[0]
         dtype = first.input_layernorm.weight.dtype
-        kernel = {torch.bfloat16: cpu_kernels.bf16_gemm(),
-                  torch.float32: "small_gemm" if cpu_kernels.has_silu_fp32() else None}.get(dtype)
+        kernel = None  # asked for the weights' dtype only: fp32's asks torch's exp and probes it
+        if dtype == torch.bfloat16:
+            kernel = cpu_kernels.bf16_gemm()
+        elif dtype == torch.float32 and cpu_kernels.has_silu_fp32():
+            kernel = "small_gemm"
         if kernel not in GEMMS or not hasattr(first.attention, "plan"):
             return None
         for layer in layers:
