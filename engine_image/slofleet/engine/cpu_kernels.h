@@ -163,6 +163,7 @@ struct V512 {
         return _mm512_mask_mov_ps(set1(-INFINITY), _mm512_cmp_ps_mask(set1(key), pos, _CMP_LE_OQ), s);
     }
     static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+    static T div(T a, T b) { return _mm512_div_ps(a, b); }
     static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
     static float sum(T v) { return _mm512_reduce_add_ps(v); }
     // Lane i: the sum of v[i]'s lanes, for all 16 at once (45 shuffles and adds where 16 sum()s take ~130).
@@ -217,6 +218,7 @@ struct V256 {
         return _mm256_blendv_ps(set1(-INFINITY), s, _mm256_cmp_ps(set1(key), pos, _CMP_LE_OQ));
     }
     static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+    static T div(T a, T b) { return _mm256_div_ps(a, b); }
     static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
     static float sum(T v) {
         __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -124,71 +124,56 @@ void silu_rows(const uint16_t *gate_up, int64_t g_row, uint16_t *out, int64_t ro
 }
 #endif
 
-// torch's vectorised exp for fp32 (Sleef's, at the vector width torch's CPU kernels run), handed over by cpu_kernels.py
-// from torch's own library: with it, fp32 SiLU here is torch's arithmetic, g / (1 + exp(-g)), bit for bit.
-void *torch_exp = nullptr;
-int torch_exp_lanes = 0;
+#if defined(SLOFLEET_VEC)
+// torch's vectorised exp for fp32 (Sleef's, at this build's vector width, which torch's CPU kernels run at too),
+// handed over by cpu_kernels.py from torch's own library: with it, fp32 SiLU here is torch's arithmetic,
+// g / (1 + exp(-g)), bit for bit.
+Vec::T (*torch_exp)(Vec::T) = nullptr;
 
-// One row's silu(g) * u as torch's element-wise loops run silu: two vectors at a time, the rest one by one with the C
+// Rows of silu(g) * u as torch's element-wise loops run silu: two vectors at a time, the rest one by one with the C
 // library's exp (torch's scalar path); the product of the stored silu is exact either way, so it is taken at once.
-template <int L, class Op>
-void silu_row(const float *g, const float *u, float *out, int64_t n, Op op) {
-    int64_t i = 0;
-    for (; i + 2 * L <= n; i += 2 * L) op(g + i, u + i, out + i), op(g + i + L, u + i + L, out + i + L);
-    for (; i < n; i++) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-}
-
 void silu_rows_fp32(const float *gate_up, int64_t g_row, float *out, int64_t rows, int64_t inter, int threads) {
+    constexpr int L = Vec::N;
+    auto silu_mul = [](const float *g, const float *u, float *to) {
+        Vec::T v = Vec::loadu(g), d = Vec::add(Vec::set1(1.0f), torch_exp(Vec::sub(Vec::zero(), v)));
+        Vec::storeu(to, Vec::mul(Vec::div(v, d), Vec::loadu(u)));
+    };
 #pragma omp parallel for num_threads(threads) if (rows * inter >= PARALLEL_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * g_row;
+        const float *g = gate_up + r * g_row, *u = g + inter;
         float *o = out + r * inter;
-#if defined(__AVX512F__)
-        if (torch_exp_lanes == 16) {
-            auto e = reinterpret_cast<__m512 (*)(__m512)>(torch_exp);
-            silu_row<16>(g, g + inter, o, inter, [e](const float *gi, const float *ui, float *to) {
-                __m512 v = _mm512_loadu_ps(gi);
-                __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), e(_mm512_sub_ps(_mm512_setzero_ps(), v)));
-                _mm512_storeu_ps(to, _mm512_mul_ps(_mm512_div_ps(v, d), _mm512_loadu_ps(ui)));
-            });
-            continue;
-        }
-#endif
-#if defined(__AVX2__)
-        auto e = reinterpret_cast<__m256 (*)(__m256)>(torch_exp);
-        silu_row<8>(g, g + inter, o, inter, [e](const float *gi, const float *ui, float *to) {
-            __m256 v = _mm256_loadu_ps(gi);
-            __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), e(_mm256_sub_ps(_mm256_setzero_ps(), v)));
-            _mm256_storeu_ps(to, _mm256_mul_ps(_mm256_div_ps(v, d), _mm256_loadu_ps(ui)));
-        });
-#endif
+        int64_t i = 0;
+        for (; i + 2 * L <= inter; i += 2 * L) silu_mul(g + i, u + i, o + i), silu_mul(g + i + L, u + i + L, o + i + L);
+        for (; i < inter; i++) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
     }
 }
+#endif
 
 }  // namespace
 
-// Takes torch's vectorised fp32 exp (fn, of `lanes` floats a vector: 8 for AVX2, 16 for AVX-512) for silu_mul_fp32.
-// Returns -1 where this build has no vectors of that width.
+// Takes torch's vectorised fp32 exp (fn, of `lanes` floats a vector) for silu_mul_fp32. Returns -1 where this build's
+// vectors are not that wide (or it has none): torch's ops run.
 extern "C" int set_silu_exp(void *fn, int lanes) {
-#if defined(__AVX512F__)
-    bool takes = lanes == 8 || lanes == 16;
-#elif defined(__AVX2__)
-    bool takes = lanes == 8;
-#else
-    bool takes = false;
-#endif
-    if (!takes || !fn) return -1;
-    torch_exp = fn, torch_exp_lanes = lanes;
+#if defined(SLOFLEET_VEC)
+    if (!fn || lanes != Vec::N) return -1;
+    torch_exp = reinterpret_cast<Vec::T (*)(Vec::T)>(fn);
     return 0;
+#else
+    return -1;
+#endif
 }
 
 // fp32 gate_up [M, 2I] with contiguous rows (g_row elements apart), out [M, I] = silu(gate) * up in torch's arithmetic
 // (set_silu_exp). Returns -1 before set_silu_exp took an exp (rows = 0 asks only that).
 extern "C" int silu_mul_fp32(const float *gate_up, int64_t g_row, float *out, int64_t rows, int64_t inter,
                              int threads) {
+#if defined(SLOFLEET_VEC)
     if (!torch_exp) return -1;
     silu_rows_fp32(gate_up, g_row, out, rows, inter, threads);
     return 0;
+#else
+    return -1;
+#endif
 }
 
 // x [M, H] contiguous, updated in place to x + y when y is given (y: any strides, as a W @ x.T product's transposed
