@@ -277,7 +277,7 @@ def test_only_what_the_gemm_kernel_takes_is_packed():
 
 def tile_cases():
     """(rows, N, K): a lone decode, a decode step, the tiles' one and two 16-row blocks and a tail, the vector
-    kernel's 12-row items with tails and its 24-row chunks, a prefill chunk past the tiles' chunk of work items (256
+    kernel's items of up to 12 rows (a chunk's rows split evenly) and its 24-row chunks, a prefill chunk past the tiles' chunk of work items (256
     rows); N and K at the model's sizes and at the kernels' smallest (32)."""
     return [(1, 960, 576), (5, 32, 32), (16, 1536, 576), (17, 576, 1536), (32, 64, 96), (33, 96, 64),
             (300, 128, 576), (16, 49152, 576)]
@@ -320,6 +320,19 @@ def test_the_swiglu_epilogue_equals_the_product_then_silu_mul(rows, bf16_kernel)
     assert torch.equal(fused, torch.nn.functional.silu(gate).mul_(up))
     with pytest.raises(ValueError):  # the fp32 kernel has no such epilogue
         cpu_kernels.gemm(torch.zeros(2, 64), cpu_kernels.pack(torch.zeros(64, 64)), silu=True)
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_a_rows_bf16_product_is_the_same_bits_in_any_batch(paired, bf16_kernel):
+    """Each bf16 kernel's sums run over K in one order whatever a step's rows (an item's, a chunk's, a tile's), so a
+    sequence's logits do not depend on what it is batched with (test_forms: a form gives the same bits as the tiles)."""
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn((192, 576), generator=gen).bfloat16(), torch.randn((40, 576), generator=gen).bfloat16()
+    packed = cpu_kernels.pack(w, paired)
+    whole = cpu_kernels.gemm(x, packed, silu=paired)
+    for size in (1, 2, 13, 16):
+        parts = torch.cat([cpu_kernels.gemm(x[i:i + size], packed, silu=paired) for i in range(0, len(x), size)])
+        assert torch.equal(parts.view(torch.int16), whole.view(torch.int16)), f"rows {size} at a time"
 
 
 def test_only_what_the_bf16_kernels_take_is_packed(bf16_kernel):

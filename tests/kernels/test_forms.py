@@ -82,22 +82,25 @@ def test_the_form_unpacks_to_the_packed_bf16_tiles(paired, kind):
     assert torch.equal(cpu_kernels.unpack(layout).view(torch.int16), tiles.view(torch.int16))
 
 
-needs_tiles = pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.unpacks(),
-                                 reason="the tile kernel (AMX) keeps GGUF forms; this CPU has none")
+needs_bf16_forms = pytest.mark.skipif(cpu_kernels.load() is None or not cpu_kernels.unpacks(),
+                                      reason="the bf16 kernels keep GGUF forms with AVX512-BF16; this CPU has none")
 
 
 @needs_kernels
-@needs_tiles
+@needs_bf16_forms
 @pytest.mark.parametrize("rows", [1, 16, 17, 33, 100, cpu_kernels.DIRECT_ROWS, cpu_kernels.DIRECT_ROWS + 1, 600])
-@pytest.mark.parametrize("paired,kind", [(False, "q4_1"), (True, "q4_1"), (False, "q8_0")])
-def test_the_gemm_on_the_form_is_the_bf16_gemm_bit_for_bit(rows, paired, kind):
-    """Up to DIRECT_ROWS rows, each thread unpacks a pair of panels once per chunk of 512 rows (600: two chunks);
-    more unpack the whole weight first: both give the bf16 kernel's bits, the SwiGLU epilogue's included."""
-    w, form = forms(192, 576, seed=rows, kind=kind)
+@pytest.mark.parametrize("paired,kind,n,k", [(False, "q4_1", 192, 576), (True, "q4_1", 192, 576),
+                                             (False, "q8_0", 192, 576), (True, "q4_1", 1344, 1536)])
+def test_the_gemm_on_the_form_is_the_bf16_gemm_bit_for_bit(rows, paired, kind, n, k):
+    """Up to DIRECT_ROWS rows, the kernel unpacks the form's panels itself: the tile kernel a pair of panels once per
+    chunk of 512 rows (600: two chunks), the dot-product kernel a group of pairs for all the rows (at K = 1,536, at
+    most 4 pairs a group: 1,344 columns' 42 pairs make several groups a thread, the last one short); more unpack the
+    whole weight first: each gives the bf16 kernel's bits, the SwiGLU epilogue's included."""
+    w, form = forms(n, k, seed=rows, kind=kind)
     packed = cpu_kernels.pack(w, paired, form)
     bits = {"q4_1": 5, "q8_0": 8.5}[kind]
     assert packed.dtype == torch.uint8 and packed.numel() * 8 == w.numel() * bits
-    x = torch.randn((rows, 2 * 576), generator=torch.Generator().manual_seed(rows)).bfloat16()[:, ::2]
+    x = torch.randn((rows, 2 * k), generator=torch.Generator().manual_seed(rows)).bfloat16()[:, ::2]
     got = cpu_kernels.gemm(x, packed, silu=paired)
     want = cpu_kernels.gemm(x, cpu_kernels.pack(w, paired), silu=paired)
     assert got.shape == want.shape and torch.equal(got.view(torch.int16), want.view(torch.int16))
@@ -165,7 +168,7 @@ def test_the_avx2_fp32_gemm_on_the_form_is_bit_for_bit_too(rows, kind, avx2_buil
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_tiles),
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16_forms),
                                    pytest.param(torch.float32, marks=needs_fp32_forms)], ids=["bf16", "fp32"])
 def test_an_engine_gives_the_same_tokens_and_logprobs_with_the_forms(dtype, monkeypatch):
     from slofleet.engine import LLM, SamplingParams

@@ -21,8 +21,9 @@ log = logging.getLogger("slofleet.engine.kernel")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM, MAX_GROUP, MAX_ROPE_DIM = 256, 16, 1024  # the kernels' stack buffers
 TILE = 32  # the bf16 kernels take N and K in multiples of this
-# Rows up to which the tile kernel unpacks a quantised form's panels itself, once per chunk of 512 rows (tile_gemm.cpp),
-# on their way to the tile unit; more unpack the whole weight into a buffer (212 MB a step for the embedded model, out
+# Rows up to which a bf16 kernel unpacks a quantised form's panels itself: the tile kernel once per chunk of 512 rows
+# (tile_gemm.cpp) on their way to the tile unit, the dot-product kernel a group of panel pairs at a time for every row
+# (dot_gemm.cpp); more unpack the whole weight into a buffer (212 MB a step for the embedded model, out
 # to memory and back) first. The embedded model's products over 10 layers, alternating on a 2-core AMX Xeon, took 1.18x
 # as long through the buffer at 384 rows, 1.09x at 768-2,048, 0.95x at 4,096 and 0.90x at 8,192; the engine_cpu
 # workload's prefill steps (2,048 and ~760 tokens, now in the layer stack) 446 -> 409 ms.
@@ -194,7 +195,7 @@ def bf16_kernels() -> tuple[str, ...]:
     """The bf16 GEMM kernels this CPU runs, the faster first: "tile_gemm" on AMX, "dot_gemm" on AVX512-BF16 (the
     vector unit's bf16 dot product); both read the weights `pack` makes."""
     found = ("tile_gemm",) if tiles() else ()
-    if load() is not None and load().dot_gemm(None, 0, None, None, 0, 0, TILE, 2, 0, 1) == 0:  # no rows: asks only
+    if load() is not None and load().dot_gemm(None, 0, None, None, 0, 0, TILE, 2, 0, 0, 1) == 0:  # no rows: asks only
         found += ("dot_gemm",)
     return found
 
@@ -214,11 +215,11 @@ def panel_rows(n: int, paired: bool) -> torch.Tensor:
 
 @functools.cache
 def unpacks(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether a GEMM kernel of this dtype runs here on quantised forms (forms.h): bf16, the tile kernel (AMX with
-    AVX512-BF16); fp32, small_gemm's form_gemm (AVX-512, or AVX2 with F16C)."""
+    """Whether a GEMM kernel of this dtype runs here on quantised forms (forms.h): bf16, either bf16 kernel (both
+    need AVX512-BF16, which unpacks them); fp32, small_gemm's form_gemm (AVX-512, or AVX2 with F16C)."""
     if dtype == torch.float32:
         return load() is not None and load().form_gemm(None, 0, None, None, 0, 0, 0, 1, 1) == 0  # no weight: asks
-    return dtype == torch.bfloat16 and tiles() and load().form_unpack(None, 0, 0, 1, None, 1) == 0
+    return dtype == torch.bfloat16 and bf16_gemm() is not None and load().form_unpack(None, 0, 0, 1, None, 1) == 0
 
 
 def pack(weight: torch.Tensor, paired: bool = False, form: quant.Form | None = None) -> torch.Tensor | None:
@@ -307,7 +308,7 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, silu: bool = False) -> torch.Ten
         if bf16_gemm() == "tile_gemm":
             done = load().tile_gemm(*args, form, torch.get_num_threads())
         else:
-            done = load().dot_gemm(*args, torch.get_num_threads())
+            done = load().dot_gemm(*args, form, torch.get_num_threads())
     else:
         done = load().small_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], n, k,
                                  torch.get_num_threads())

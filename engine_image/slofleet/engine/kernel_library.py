@@ -54,7 +54,7 @@ SIGNATURES = {
     "tile_pack": [_ptr, _i64, _i64, _i32, _ptr],
     "tile_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32, _i32],
     "form_unpack": [_ptr, _i64, _i64, _i32, _ptr, _i32],
-    "dot_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32],
+    "dot_gemm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32, _i32],
     "layer_stack": [_ptr, _ptr, _i64, _ptr],
     "argmax_rows": [_ptr, _i64, _i64, _i64, _i32, _ptr, _i32],
 }

@@ -13,8 +13,8 @@ void kv_store(const void *k, int64_t k_row, const void *v, int64_t v_row, void *
               const int64_t *slots, int64_t rows, int64_t width, int threads);
 int tile_gemm(const uint16_t *x, int64_t x_row, const void *wp, uint16_t *y, int64_t y_row, int64_t m_len,
               int64_t n_len, int64_t k_len, int silu, int form, int threads);
-int dot_gemm(const uint16_t *x, int64_t x_row, const uint16_t *wp, uint16_t *y, int64_t y_row, int64_t m_len,
-             int64_t n_len, int64_t k_len, int silu, int threads);
+int dot_gemm(const uint16_t *x, int64_t x_row, const void *wp, uint16_t *y, int64_t y_row, int64_t m_len,
+             int64_t n_len, int64_t k_len, int silu, int form, int threads);
 int small_gemm(const float *x, int64_t x_row, const float *wt, float *y, int64_t m_len, int64_t n_len, int64_t k_len,
                int threads);
 int form_gemm(const float *x, int64_t x_row, const uint8_t *wq, float *y, int64_t m_len, int64_t n_len, int64_t k_len,
@@ -69,8 +69,7 @@ int gemm(const StackShape &s, const void *x, int64_t x_row, const void *w, int64
     auto xs = static_cast<const uint16_t *>(x);
     auto ys = static_cast<uint16_t *>(y);
     if (s.gemm == 1) return tile_gemm(xs, x_row, w, ys, y_row, m, n, k, silu, int(form), int(s.threads));
-    if (form) return -1;
-    return dot_gemm(xs, x_row, static_cast<const uint16_t *>(w), ys, y_row, m, n, k, silu, int(s.threads));
+    return dot_gemm(xs, x_row, w, ys, y_row, m, n, k, silu, int(form), int(s.threads));
 }
 
 int attend(const StackShape &s, const StackStep &t, const StackLayer &l, int64_t qkv_row, Attention *kernel,

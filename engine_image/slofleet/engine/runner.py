@@ -68,8 +68,8 @@ class ModelRunner:
         if getattr(self.hf_config, "tie_word_embeddings", False):
             model.lm_head.weight = model.embed_tokens.weight
         model.load_hf_state_dict(read_tensors(path))
-        # where a GEMM kernel of the model's dtype unpacks them (the tile kernel's bf16 on AMX, fp32 on AVX-512 or
-        # AVX2), it reads a GGUF checkpoint's weights in their quantised forms (quant.py)
+        # where a GEMM kernel of the model's dtype unpacks them (bf16 on AVX512-BF16, with or without AMX; fp32 on
+        # AVX-512 or AVX2), it reads a GGUF checkpoint's weights in their quantised forms (quant.py)
         unpacks = self.device.type == "cpu" and cpu_kernels.unpacks(self.dtype)
         forms = model.forms() if unpacks else {}
         self.model = model.to(self.dtype).eval()
