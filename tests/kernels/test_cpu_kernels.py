@@ -277,8 +277,8 @@ def test_only_what_the_gemm_kernel_takes_is_packed():
 
 def tile_cases():
     """(rows, N, K): a lone decode, a decode step, the tiles' one and two 16-row blocks and a tail, the vector
-    kernel's items of up to 12 rows (a chunk's rows split evenly) and its 24-row chunks, a prefill chunk past the tiles' chunk of work items (256
-    rows); N and K at the model's sizes and at the kernels' smallest (32)."""
+    kernel's items of up to 12 rows (a chunk's rows split evenly) and its 24-row chunks, a prefill chunk past the
+    tiles' chunk of work items (256 rows); N and K at the model's sizes and at the kernels' smallest (32)."""
     return [(1, 960, 576), (5, 32, 32), (16, 1536, 576), (17, 576, 1536), (32, 64, 96), (33, 96, 64),
             (300, 128, 576), (16, 49152, 576)]
 
