@@ -62,7 +62,7 @@ def test_prefill_dominated(shared, tmp_path):
 def test_decode_dominated(shared, tmp_path):
     codes = send(shared.url, "long", [f"Tell story number {i}." for i in range(5)], 24, min_tokens=24)
     assert codes == [200] * 5
-    v = diagnose(tmp_path, [HEALTHY, slo("long", tpotMs=2)], shared.url)
+    v = diagnose(tmp_path, [HEALTHY, slo("long", tpotMs=1)], shared.url)  # 1 ms: below any CPU's decode step
     assert (v["slow_clock"], v["bucket"], v["dominant"]) == ("tpot", "long", "decode"), v
     assert v["evidence"]["mean_output_tokens"] == 24 and v["evidence"]["preemptions"] == 0
 
@@ -88,17 +88,21 @@ def test_outside_the_model_behind_a_slow_relay(shared, tmp_path):
 
 def test_queue_dominated(tmp_path):
     for srv in engine(tmp_path, "--max-num-seqs", "1"):
-        assert send(srv.url, "chat", [f"Count to {i}." for i in range(6)], 12, min_tokens=12) == [200] * 6
-        v = diagnose(tmp_path, [slo("chat", ttftMs=300, e2eMs=60000)], srv.url)
+        # each request waits for the 32 decode steps of every one ahead of it, which take longer than the 40 ms
+        # target on any CPU: a target that a fast engine could meet from the queue alone would make this flaky
+        assert send(srv.url, "chat", [f"Count to {i}." for i in range(6)], 32, min_tokens=32) == [200] * 6
+        v = diagnose(tmp_path, [slo("chat", ttftMs=40, e2eMs=60000)], srv.url)
     assert (v["slow_clock"], v["bucket"], v["dominant"]) == ("ttft", "chat", "queue"), v
     assert v["evidence"]["shares"]["queue"] > v["evidence"]["shares"]["prefill"]
 
 
 def test_kv_exhaustion(tmp_path):
-    # 8 blocks of 16 tokens hold one of these requests (~70 tokens) and part of another: the rest are preempted
+    # 8 blocks of 16 tokens hold one of these requests (~70 tokens) and part of another: the rest are preempted.
+    # The target is one 48 decode steps never meet on a CPU (1 s was met once the engine got faster): the test is of
+    # which phase the diagnosis blames for a miss, not of how large the miss is.
     for srv in engine(tmp_path, "--num-blocks", "8", "--block-size", "16"):
         codes = send(srv.url, "long", [f"Write a long letter to friend {i}." for i in range(4)], 48, min_tokens=48)
         assert codes == [200] * 4
-        v = diagnose(tmp_path, [HEALTHY, slo("long", e2eMs=1000)], srv.url)
+        v = diagnose(tmp_path, [HEALTHY, slo("long", e2eMs=50)], srv.url)
     assert (v["slow_clock"], v["bucket"], v["dominant"]) == ("e2e", "long", "kv"), v
     assert v["evidence"]["preemptions"] > 0
