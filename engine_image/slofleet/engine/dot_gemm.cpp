@@ -88,16 +88,6 @@ void rows(const uint16_t *x, int64_t x_row, const uint16_t *w0, const uint16_t *
     }
 }
 
-// `steps` consecutive steps of a form into as many tiles, asking for the bytes FORM_AHEAD on
-template <int FORM>
-void unpack_ahead(const uint8_t *src, int64_t steps, uint16_t *dst) {
-    constexpr int64_t bytes = step_bytes(FORM);
-    for (int64_t s = 0; s < steps; s++) {
-        prefetch_lines(src + s * bytes + FORM_AHEAD, bytes);  // past W's end too: a prefetch never faults
-        unpack_step<FORM>(src + s * bytes, dst + s * 512);
-    }
-}
-
 // x's rows [m0, m0 + len) by the panel pair at w0 (and w0 + panel), into y's columns of that pair.
 void pair_rows(const uint16_t *x, int64_t x_row, const uint16_t *w0, uint16_t *y, int64_t y_row, int64_t m0,
                int64_t len, int64_t q, int64_t k_len, int silu, Ahead ahead = {}) {
@@ -137,7 +127,7 @@ extern "C" int dot_gemm(const uint16_t *x, int64_t x_row, const void *wp, uint16
         auto tiles = static_cast<uint16_t *>(std::aligned_alloc(64, std::max<int64_t>(1, size) * pair * 2));
         for (int64_t g0 = p0; g0 < p1; g0 += size) {
             int64_t g1 = std::min(p1, g0 + size);
-            (form == Q4_1 ? unpack_ahead<Q4_1> : unpack_ahead<Q8_0>)(src + g0 * form_pair, (g1 - g0) * 2 * steps, tiles);
+            unpack_steps(form, src + g0 * form_pair, (g1 - g0) * 2 * steps, tiles, FORM_AHEAD);
             // while the first rows meet this group, the next group's bytes (past W's end too: no fault) come into L2
             for (int64_t m0 = 0; m0 < m_len; m0 += CHUNK)
                 for (int64_t q = g0; q < g1; q++) {

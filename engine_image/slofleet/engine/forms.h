@@ -129,10 +129,12 @@ template <int FORM>
     }
 }
 
-// `steps` consecutive steps of a form into as many tiles.
-inline void unpack_steps(int form, const uint8_t *src, int64_t steps, uint16_t *dst) {
+// `steps` consecutive steps of a form into as many tiles; with `ahead`, asking for the bytes that far on (past W's
+// end too: a prefetch never faults), so a kernel's products between two calls issue no loads of their own.
+inline void unpack_steps(int form, const uint8_t *src, int64_t steps, uint16_t *dst, int64_t ahead = 0) {
     int64_t bytes = step_bytes(form);
     for (int64_t s = 0; s < steps; s++) {
+        if (ahead) prefetch_lines(src + s * bytes + ahead, bytes);
         if (form == Q4_1)
             unpack_step<Q4_1>(src + s * bytes, dst + s * 512);
         else
