@@ -13,6 +13,7 @@ import httpx
 import msgpack
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from slofleet.engine import loader
 from tests.support.server import Server, free_port
@@ -47,16 +48,37 @@ class Subscriber:
         self.epochs: dict[str, dict[int, list]] = {}  # epoch -> seq -> events, in arrival order of epochs
         self.inbox: queue.Queue[list[bytes]] = queue.Queue()
         self.closed = threading.Event()
+        self.joined = 0  # handshakes with an engine's publisher: one an engine start
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(pub)  # before the engine binds: ZMQ connects once it does
-        threading.Thread(target=self._receive, args=(sub,), daemon=True).start()
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        threading.Thread(target=self._receive, args=(sub, monitor), daemon=True).start()
 
-    def _receive(self, sub: zmq.Socket) -> None:
+    def _receive(self, sub: zmq.Socket, monitor: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while not self.closed.is_set():
-            if sub.poll(50):
+            ready = dict(poller.poll(50))
+            if monitor in ready:
+                recv_monitor_message(monitor)
+                self.joined += 1
+            if sub in ready:
                 self.inbox.put(sub.recv_multipart())
+        sub.disable_monitor()
+        monitor.close(0)
         sub.close(0)
+
+    def wait_joined(self, n: int, timeout: float = 10) -> None:
+        """Until the n-th engine's publisher has the subscription. The engine binds its publisher only once its model
+        is loaded, and a request sent right after it is ready can finish before ZMQ's reconnect (every 100 ms) gets
+        there: its events are then lost to this subscriber, as to any that joins late, and nothing after them shows
+        the gap to fill from replay (a step's events came 0.2 s after the bind in a CI run, and never arrived)."""
+        deadline = time.monotonic() + timeout
+        while self.joined < n:
+            assert time.monotonic() < deadline, f"joined {self.joined} of {n} publishers"
+            time.sleep(0.01)
 
     def close(self) -> None:
         self.closed.set()
@@ -125,6 +147,7 @@ def test_events_of_a_real_engine_across_eviction_and_restart(tmp_path):
     srv = Server(*flags, log=tmp_path / "first.log", env={"PYTHONHASHSEED": SEED})
     try:
         srv.wait_ready()
+        sub.wait_joined(1)
         # What an endpoint picker reads of the KV cache, as vLLM exports it.
         assert srv.metrics()[f"vllm:cache_config_info{{block_size={BS},num_gpu_blocks=8}}"] == 1
         sent = complete(srv, a)
@@ -147,6 +170,7 @@ def test_events_of_a_real_engine_across_eviction_and_restart(tmp_path):
     srv = Server(*flags, log=tmp_path / "second.log", env={"PYTHONHASHSEED": SEED})
     try:
         srv.wait_ready()
+        sub.wait_joined(2)
         complete(srv, a)
         sub.pump(lambda s: len(s.epochs) == 2 and kinds(s, 1) == ["AllBlocksCleared", "BlockStored"])
         second = list(sub.epochs)[1]
