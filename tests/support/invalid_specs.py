@@ -63,6 +63,8 @@ INVALID = [
      runtime_message("router.policy precise", "llamacpp")),
     ("speculation on llamacpp", {"engine": {"runtime": "llamacpp", "numSpeculativeTokens": 4}}, "spec",
      runtime_message("engine.numSpeculativeTokens", "llamacpp")),
+    ("small blocks on vllm", {"engine": {"runtime": "vllm", "blockSize": 8}}, "spec",
+     runtime_message("engine.blockSize", "vllm")),
     ("dtype on llamacpp", {"engine": {"runtime": "llamacpp", "dtype": "bfloat16"}}, "spec",
      runtime_message("engine.dtype", "llamacpp")),
 ]
