@@ -128,6 +128,10 @@ def test_vllm_pod_takes_the_shared_settings_as_its_flags():
     assert flag(c, "--scheduling-policy") == "priority"
     assert c["args"][-2:] == ["--seed", "7"]  # engine.args last
     assert env(c)["VLLM_CPU_KVCACHE_SPACE"]["value"] == "3"  # whole GiB, rounded up
+    assert env(c)["USER"]["value"] and c["securityContext"]["readOnlyRootFilesystem"]
+    mine = engine(pod({"engine": {"runtime": VLLM, "env": {"VLLM_CPU_KVCACHE_SPACE": "5", "USER": "me"}}}))
+    assert [(x["name"], x["value"]) for x in mine["env"] if x["name"] in ("VLLM_CPU_KVCACHE_SPACE", "USER")] == \
+        [("USER", "me"), ("VLLM_CPU_KVCACHE_SPACE", "5")]  # engine.env wins, once each
     assert "--kv-cache-memory-bytes" not in c["args"] and "--kv-events-config" not in c["args"]
     assert not any(a.startswith("--bucket") or a == "--role" for a in c["args"])  # slofleet serve's own
 

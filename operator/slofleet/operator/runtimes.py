@@ -88,14 +88,18 @@ def kv_events_config() -> dict:
 
 
 def vllm_env(svc: LLMService) -> list[dict]:
-    e, out = svc.spec.engine, []
-    if not e.gpus and KV_SPACE_ENV not in e.env:  # whole GiB: vLLM reads the variable as an integer
-        out.append({"name": KV_SPACE_ENV, "value": str(max(1, math.ceil(e.kv_cache_memory_gb)))})
-    if svc.spec.router.kv_events() and KV_HASH_SEED_ENV not in e.env:
+    """vLLM's own variables, each unless engine.env sets it."""
+    e, out = svc.spec.engine, {}
+    if not e.gpus:  # whole GiB: vLLM reads the variable as an integer
+        out[KV_SPACE_ENV] = str(max(1, math.ceil(e.kv_cache_memory_gb)))
+    if svc.spec.router.kv_events():
         # Unset, vLLM seeds its hash chain at random; empty, with "" as slofleet's engines and the router do
         # (Python itself ignores an empty PYTHONHASHSEED).
-        out.append({"name": KV_HASH_SEED_ENV, "value": ""})
-    return out
+        out[KV_HASH_SEED_ENV] = ""
+    # torch's compile cache names its folder after the user, looked up in /etc/passwd unless USER is set, and the
+    # restricted pod's user (10001) has no entry in vLLM's images
+    out["USER"] = "vllm"
+    return [{"name": k, "value": v} for k, v in out.items() if k not in e.env]
 
 
 def llamacpp_args(svc: LLMService, model: str) -> list[str]:
