@@ -51,7 +51,7 @@ class StandInKube:
 def test_reconcile_drains_through_the_engines_and_annotates_the_pods(monkeypatch):
     calls = []
     loads = {"http://10.0.0.1:8000": 2.0, "http://10.0.0.2:8000": 0.0}
-    monkeypatch.setattr(engines, "in_flight", lambda url: loads[url])
+    monkeypatch.setattr(engines, "in_flight", lambda url, runtime: loads[url])
     monkeypatch.setattr(engines, "set_draining", lambda url, token, on: calls.append((url, token, on)))
     svc = LLMService.model_validate({"metadata": {"name": "s", "namespace": "ns", "uid": "u"},
                                      "spec": {"topology": {"unified": {"minReplicas": 1, "maxReplicas": 3,
@@ -68,9 +68,15 @@ def test_reconcile_drains_through_the_engines_and_annotates_the_pods(monkeypatch
     assert notes["a"] == {DELETION_COST: "2"} and notes["b"][DELETION_COST] == "-1" and notes["b"][DRAINING]
 
 
-@pytest.mark.parametrize("load,expected", [("vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n", 3.0),
-                                           ("not metrics {", None)])
-def test_in_flight_reads_the_engine_gauges(monkeypatch, load, expected):
+LLAMA = "llamacpp:requests_processing 2\nllamacpp:requests_deferred 4\nvllm:num_requests_running 9\n"
+
+
+@pytest.mark.parametrize("load,runtime,expected", [
+    ("vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n", "slofleet", 3.0),
+    ("vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n", "vllm", 3.0),
+    (LLAMA, "llamacpp", 6.0),  # each runtime under its own names (contract.RUNTIME_METRICS)
+    ("not metrics {", "slofleet", None)])
+def test_in_flight_reads_the_engine_gauges(monkeypatch, load, runtime, expected):
     class Answer:
         def __enter__(self):
             return self
@@ -82,5 +88,5 @@ def test_in_flight_reads_the_engine_gauges(monkeypatch, load, expected):
             return load.encode()
 
     monkeypatch.setattr(engines.urllib.request, "urlopen", lambda url, timeout: Answer())
-    assert engines.in_flight("http://x") == expected
-    assert engines.in_flight(None) is None
+    assert engines.in_flight("http://x", runtime) == expected
+    assert engines.in_flight(None, runtime) is None

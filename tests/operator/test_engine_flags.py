@@ -17,7 +17,7 @@ from slofleet.operator.podspec import serve_args
 # CRD engine field -> the `slofleet serve` setting it sets, where the names differ.
 MAPPED = {"port": "port", "drain_seconds": "grace_period", "price_per_hour": "price_per_hour"}
 # Fields of spec.engine that shape the pod rather than the engine process.
-POD_ONLY = {"image", "image_pull_policy", "resources", "gpus", "startup_seconds", "env", "args"}
+POD_ONLY = {"runtime", "image", "image_pull_policy", "resources", "gpus", "startup_seconds", "env", "args"}
 
 
 def parsed(engine: dict) -> tuple[EngineConfig, ServerSettings]:

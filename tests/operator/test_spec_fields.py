@@ -28,6 +28,7 @@ FIELDS = {
     "model.initImage": f"{LOGIC}::test_model_sources",
     "model.initCommand": f"{LOGIC}::test_model_sources",
     "model.servedName": "tests/operator/test_model_name.py::test_served_name_wins",
+    "engine.runtime": "tests/operator/test_runtimes.py::test_vllm_pod_takes_the_shared_settings_as_its_flags",
     "engine.image": f"{LOGIC}::test_image_env_probes_and_drain",
     "engine.imagePullPolicy": f"{LOGIC}::test_image_env_probes_and_drain",
     "engine.port": f"{LOGIC}::test_engine_fields_become_serve_flags",

@@ -3,9 +3,18 @@ tests/k8s/test_validation.py, and matched against every CEL rule of the generate
 tests/operator/test_api_models.py."""
 from __future__ import annotations
 
+from slofleet.api.runtime import LIMITS
+
 POOL = {"minReplicas": 1, "maxReplicas": 2}
 SLO = {"ttftMs": 100}
 PRECISE = {"policy": "precise", "resources": {"limits": {"memory": "2Gi"}}}
+DISAGGREGATED = {"mode": "disaggregated", "prefill": POOL, "decode": POOL}
+
+
+def runtime_message(what: str, runtime: str) -> str:
+    """The message of the runtime limit on `what` (slofleet.api.runtime.LIMITS): each case below asks for it."""
+    return next(lim.message(runtime) for lim in LIMITS if lim.what.startswith(what))
+
 
 # (what is wrong, spec, the field kubectl names, the rule's message)
 INVALID = [
@@ -46,9 +55,23 @@ INVALID = [
      "router.policy precise routes on the engines' prefix caches: it needs engine.enablePrefixCaching true"),
     ("precise with the engine on an event port", {"router": PRECISE, "engine": {"port": 5558}}, "spec",
      "router.policy precise: engine.port must not be 5557 or 5558, the engines' KV event ports"),
+    ("disaggregated on vllm", {"engine": {"runtime": "vllm"}, "topology": DISAGGREGATED}, "spec",
+     runtime_message("topology.mode disaggregated", "vllm")),
+    ("disaggregated on llamacpp", {"engine": {"runtime": "llamacpp"}, "topology": DISAGGREGATED}, "spec",
+     runtime_message("topology.mode disaggregated", "llamacpp")),
+    ("precise on llamacpp", {"engine": {"runtime": "llamacpp"}, "router": PRECISE}, "spec",
+     runtime_message("router.policy precise", "llamacpp")),
+    ("speculation on llamacpp", {"engine": {"runtime": "llamacpp", "numSpeculativeTokens": 4}}, "spec",
+     runtime_message("engine.numSpeculativeTokens", "llamacpp")),
+    ("small blocks on vllm", {"engine": {"runtime": "vllm", "blockSize": 8}}, "spec",
+     runtime_message("engine.blockSize", "vllm")),
+    ("dtype on llamacpp", {"engine": {"runtime": "llamacpp", "dtype": "bfloat16"}}, "spec",
+     runtime_message("engine.dtype", "llamacpp")),
 ]
 # Schema (non-CEL) rules: one of each kind the CRD uses.
 INVALID_SCHEMA = [
+    ("unknown runtime", {"engine": {"runtime": "sglang"}},
+     'spec.engine.runtime: Unsupported value: "sglang": supported values: "slofleet", "vllm", "llamacpp"'),
     ("unknown mode", {"topology": {"mode": "mixed"}},
      'spec.topology.mode: Unsupported value: "mixed": supported values: "unified", "disaggregated"'),
     ("port 0", {"engine": {"port": 0}}, "spec.engine.port: Invalid value: 0: spec.engine.port in body should be "

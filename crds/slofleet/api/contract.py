@@ -33,8 +33,14 @@ KV_MAC_HEADER = "x-slofleet-kv-mac"  # prefill engine -> decode engine: HMAC-SHA
 REQUEST_ID_HEADER = "x-request-id"
 SERVER_TIMING_HEADER = "server-timing"
 
+# -- engine runtimes (spec.engine.runtime) --------------------------------------------------------------------
+SLOFLEET, VLLM, LLAMACPP = "slofleet", "vllm", "llamacpp"
+RUNTIMES = (SLOFLEET, VLLM, LLAMACPP)  # the first is the default
+
+
 # -- labels and annotations ----------------------------------------------------------------------------------
 SERVICE_LABEL = "slofleet.dev/service"  # on every child of an LLMService: its name
+RUNTIME_LABEL = "slofleet.dev/runtime"  # on engine pods: which server runs in them (one of RUNTIMES)
 ROLE_LABEL = "slofleet.dev/role"  # on engine and router pods and Services: one of ROLES, or ROUTER
 MANAGED_BY = {"app.kubernetes.io/managed-by": "slofleet-operator"}
 
@@ -51,6 +57,53 @@ TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 ROUTER_HELD = "slofleet:router_held_requests"  # the router's requests held while a role has no ready replica
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RuntimeMetrics:
+    """One runtime's /metrics names for what the control plane reads (counters by their base name, exposed with
+    `_total`); None where the runtime exports nothing of the kind, so that a reader says "not exported by RUNTIME"
+    rather than guessing. The histograms are per request, in seconds; none carries a bucket label (the router's
+    clocks do)."""
+    running: str | None  # gauge: requests in the running batch
+    waiting: str | None  # gauge: requests queued inside the engine
+    kv_usage: str | None  # gauge: fraction of the KV cache in use, 0-1
+    preemptions: str | None  # counter
+    prompt_tokens: str | None  # counter
+    generation_tokens: str | None  # counter
+    queue: str | None  # histogram: arrival to first scheduled (the "queue" phase)
+    prefill: str | None  # histogram: first scheduled to first token (the "prefill" phase)
+    decode: str | None  # histogram: first token to the last (the "decode" phase)
+    ttft: str | None  # histogram
+    itl: str | None  # histogram: between consecutive output tokens
+    e2e: str | None  # histogram
+
+    def phase(self, name: str) -> str | None:
+        """The series of a phase or gauge by its field name (queue, prefill, decode, kv_usage, ...)."""
+        return getattr(self, name)
+
+
+# slofleet's engine exports vLLM's names (and its own slofleet:* beside them): one row serves both. llama-server
+# (--metrics) has gauges and totals but no per-request histograms, so no queue, prefill or decode phase, and its
+# recent builds dropped the KV usage gauge (docs/runtimes.md lists what each runtime exports).
+_VLLM_NAMES = RuntimeMetrics(
+    running=NUM_RUNNING, waiting=NUM_WAITING, kv_usage=KV_USAGE, preemptions=PREEMPTIONS, prompt_tokens=PROMPT_TOKENS,
+    generation_tokens=GENERATION_TOKENS, queue="vllm:request_queue_time_seconds",
+    prefill="vllm:request_prefill_time_seconds", decode="vllm:request_decode_time_seconds", ttft=TTFT, itl=ITL, e2e=E2E)
+RUNTIME_METRICS: dict[str, RuntimeMetrics] = {
+    SLOFLEET: _VLLM_NAMES,
+    VLLM: _VLLM_NAMES,
+    LLAMACPP: RuntimeMetrics(
+        running="llamacpp:requests_processing", waiting="llamacpp:requests_deferred", kv_usage=None,
+        preemptions=None, prompt_tokens="llamacpp:prompt_tokens", generation_tokens="llamacpp:tokens_predicted",
+        queue=None, prefill=None, decode=None, ttft=None, itl=None, e2e=None),
+}
+
+
+def not_exported(runtime: str) -> str:
+    """What a reader of RUNTIME_METRICS says of a phase whose series is None."""
+    return f"not exported by {runtime}"
+
 
 # -- KV events (`slofleet serve --kv-events-endpoint`: vLLM's wire format over ZMQ, engine/server/kv_events.py) ---
 KV_EVENTS_TOPIC = "kv"  # the topic is f"{KV_EVENTS_TOPIC}@{epoch}@{model}", the epoch new at every engine start

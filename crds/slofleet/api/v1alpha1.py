@@ -26,9 +26,11 @@ from slofleet.api.contract import (  # noqa: F401 (ROLES re-exported)
     DEFAULT_GRACE_SECONDS,
     ENGINE_SETTINGS,
     ROLES,
+    RUNTIMES,
 )
 from slofleet.api.network import Network
-from slofleet.api.router import Router, RouterAuth, precise_rules  # noqa: F401 (RouterAuth re-exported)
+from slofleet.api.router import Router, RouterAuth  # noqa: F401 (RouterAuth re-exported)
+from slofleet.api.runtime import RUNTIME_HELP, image_help, refuse, spec_rules
 
 GROUP = "slofleet.dev"
 VERSION = "v1alpha1"
@@ -80,7 +82,8 @@ def _engine_rules() -> dict:
 class Engine(_Model):
     """How each engine pod runs: image, resources and the `slofleet serve` batching/KV settings. The operator
     passes every shared setting as its flag, then `args` as given."""
-    image: str = Field("slofleet/engine:0.1.0", description="the one image all roles run")
+    runtime: Literal[RUNTIMES] = Field(RUNTIMES[0], description=RUNTIME_HELP)
+    image: str | None = Field(None, description=image_help())
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     port: int = Field(DEFAULT_ENGINE_PORT, ge=1, le=65535,
                       description="HTTP port of the OpenAI API, /health, /ready, /metrics")
@@ -254,7 +257,11 @@ class LLMServiceSpec(_Model):
     autoscaling: Autoscaling = Field({})
     router: Router = Field({})
     network: Network = Field({})
-    model_config = ConfigDict(json_schema_extra=precise_rules())
+    model_config = ConfigDict(json_schema_extra=spec_rules())
+
+    @model_validator(mode="after")
+    def _runtime_limits(self) -> LLMServiceSpec:
+        return refuse(self)  # the runtimes' CEL rules, for a spec the API server never sees
 
 
 class SLOPolicySpec(_Model):

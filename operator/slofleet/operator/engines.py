@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import urllib.request
 
-from slofleet.api.contract import NUM_RUNNING, NUM_WAITING, parse_samples, sum_by_name
+from slofleet.api.contract import RUNTIME_METRICS, SLOFLEET, parse_samples, sum_by_name
 
 log = logging.getLogger("slofleet.operator.engines")
 TIMEOUT = 2.0
@@ -16,17 +16,18 @@ def url_of(pod: dict, port: int) -> str | None:
     return f"http://{ip}:{port}" if ip else None
 
 
-def in_flight(base: str | None) -> float | None:
-    """Requests running or waiting on the engine; None when it cannot be read (not up, or not reachable from
-    here: the operator run outside the cluster)."""
-    if base is None:
+def in_flight(base: str | None, runtime: str = SLOFLEET) -> float | None:
+    """Requests running or waiting on the engine, under its runtime's metric names; None when it cannot be read
+    (not up, or not reachable from here: the operator run outside the cluster)."""
+    names = {RUNTIME_METRICS[runtime].running, RUNTIME_METRICS[runtime].waiting}
+    if base is None or None in names:
         return None
     try:
         with urllib.request.urlopen(base + "/metrics", timeout=TIMEOUT) as r:
-            sums = sum_by_name(parse_samples(r.read().decode()), {NUM_RUNNING, NUM_WAITING})
+            sums = sum_by_name(parse_samples(r.read().decode()), names)
     except (OSError, ValueError):
         return None
-    return sums[NUM_RUNNING] + sums[NUM_WAITING]
+    return sum(sums.values())
 
 
 def set_draining(base: str | None, token: str, on: bool) -> bool:

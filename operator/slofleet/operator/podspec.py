@@ -1,5 +1,8 @@
-"""Pure: the engine pod template of one role (the `slofleet serve` command line, probes, resources, volumes)."""
+"""Pure: the engine pod template of one role (the `slofleet serve` command line, probes, resources, volumes); the
+other runtimes' containers come from runtimes.py, on the same pod."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from slofleet.api.contract import (
     ENGINE_SETTINGS,
@@ -11,8 +14,11 @@ from slofleet.api.contract import (
     KV_REPLAY_PORT_NAME,
     MANAGED_BY,
     ROLE_LABEL,
+    RUNTIME_LABEL,
     SERVICE_LABEL,
+    SLOFLEET,
 )
+from slofleet.api.runtime import SLOFLEET_IMAGE
 from slofleet.api.v1alpha1 import Bucket, LLMService
 
 MODEL_VOLUME = "model"
@@ -42,14 +48,21 @@ def restricted(pod: bool = False) -> dict:
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
 
 
+def own_image(svc: LLMService) -> str:
+    """slofleet's image, which the router and the other runtimes' init steps run: engine.image where the engines
+    run slofleet too, else the default."""
+    e = svc.spec.engine
+    return e.image if e.runtime == SLOFLEET and e.image else SLOFLEET_IMAGE
+
+
 def secret_name(svc: LLMService) -> str:
     return f"{svc.metadata['name']}-internal-token"
 
 
-def token_env(svc: LLMService) -> dict:
-    """The service's internal token (engines and router alike), from its Secret: read once, at the container's
-    start."""
-    return {"name": INTERNAL_TOKEN_ENV,
+def token_env(svc: LLMService, name: str = INTERNAL_TOKEN_ENV) -> dict:
+    """The service's internal token (engines and router alike), from its Secret as the variable `name`: read once,
+    at the container's start."""
+    return {"name": name,
             "valueFrom": {"secretKeyRef": {"name": secret_name(svc), "key": INTERNAL_TOKEN_KEY}}}
 
 
@@ -146,18 +159,53 @@ def model_volumes(svc: LLMService) -> tuple[list[dict], list[dict], list[dict]]:
     return volumes, mounts, inits
 
 
+@dataclass(slots=True, kw_only=True)
+class EnginePod:
+    """What differs between the runtimes' engine pods: the engine container and the volumes and init steps it needs."""
+    container: dict
+    volumes: list[dict]
+    inits: list[dict]
+
+
 def pod_template(svc: LLMService, role: str, buckets: list[Bucket], config_hash: str) -> dict:
     name, e = svc.metadata["name"], svc.spec.engine
-    volumes, mounts, inits = model_volumes(svc)
+    if e.runtime == SLOFLEET:
+        pod = slofleet_pod(svc, role, buckets)
+    else:
+        from slofleet.operator import runtimes  # imported here: it builds on this module's helpers
+
+        pod = runtimes.engine_pod(svc)
+    spec: dict = {
+        "containers": [pod.container], "volumes": pod.volumes,
+        "terminationGracePeriodSeconds": e.drain_seconds + DRAIN_SLACK_SECONDS,
+        "securityContext": restricted(pod=True),
+        "automountServiceAccountToken": False,  # an engine never calls the API server
+    }
+    if pod.inits:
+        spec["initContainers"] = pod.inits
+    if e.gpus:
+        spec["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
+    return {"metadata": {"labels": {**labels(name, role), RUNTIME_LABEL: e.runtime},
+                         "annotations": {CONFIG_HASH: config_hash}}, "spec": spec}
+
+
+def pod_env(svc: LLMService, token: str | None) -> list[dict]:
+    """The engine container's environment: its pod's address and name, scratch space, the user's engine.env, then
+    the internal token under the name the runtime reads it from (None: no token), which no user entry replaces."""
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
-    user = {k: v for k, v in e.env.items() if k != INTERNAL_TOKEN_ENV}  # the token comes from the Secret alone
+    user = {k: v for k, v in svc.spec.engine.env.items() if k not in (INTERNAL_TOKEN_ENV, token)}
     env += [{"name": k, "value": v} for k, v in sorted({**SCRATCH_ENV, **user}.items())]  # the user's win
-    env.append(token_env(svc))
+    return env + ([token_env(svc, token)] if token else [])
+
+
+def slofleet_pod(svc: LLMService, role: str, buckets: list[Bucket]) -> EnginePod:
+    e = svc.spec.engine
+    volumes, mounts, inits = model_volumes(svc)
     container = {
-        "name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy,
-        "command": ["slofleet", "serve"], "args": serve_args(svc, role, buckets), "env": env,
-        "ports": ports(svc),
+        "name": "engine", "image": own_image(svc), "imagePullPolicy": e.image_pull_policy,
+        "command": ["slofleet", "serve"], "args": serve_args(svc, role, buckets),
+        "env": pod_env(svc, INTERNAL_TOKEN_ENV), "ports": ports(svc),
         "resources": resources(svc),
         # Startup covers model loading; after it, liveness only asks "is the process alive" and
         # readiness "is it admitting" (false while draining on SIGTERM).
@@ -167,15 +215,4 @@ def pod_template(svc: LLMService, role: str, buckets: list[Bucket], config_hash:
         "volumeMounts": mounts,
         "securityContext": restricted(),
     }
-    spec: dict = {
-        "containers": [container], "volumes": volumes,
-        "terminationGracePeriodSeconds": e.drain_seconds + DRAIN_SLACK_SECONDS,
-        "securityContext": restricted(pod=True),
-        "automountServiceAccountToken": False,  # an engine never calls the API server
-    }
-    if inits:
-        spec["initContainers"] = inits
-    if e.gpus:
-        spec["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
-    return {"metadata": {"labels": labels(name, role), "annotations": {CONFIG_HASH: config_hash}},
-            "spec": spec}
+    return EnginePod(container=container, volumes=volumes, inits=inits)

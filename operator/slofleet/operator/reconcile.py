@@ -101,7 +101,8 @@ def scale_down_losslessly(kube: Kube, svc: LLMService, wanted: list[dict], exist
         current, want = (before or {}).get("spec", {}).get("replicas"), d["spec"]["replicas"]
         live = [p for p in pods.get(role, []) if not p["metadata"].get("deletionTimestamp")]
         urls = {p["metadata"]["name"]: engines.url_of(p, svc.spec.engine.port) for p in live}
-        load = {n: engines.in_flight(u) for n, u in urls.items()} if drain.scaling_down(current, want) else {}
+        load = ({n: engines.in_flight(u, svc.spec.engine.runtime) for n, u in urls.items()}
+                if drain.scaling_down(current, want) else {})
         age = {p["metadata"]["name"]: time.time() - parse_time(since)
                for p in live if (since := drain.draining_since(p))}
         plan = drain.plan(current, want, live, load, age)

