@@ -27,6 +27,7 @@ from slofleet.api.contract import (  # noqa: F401 (ROLES re-exported)
     ENGINE_SETTINGS,
     ROLES,
 )
+from slofleet.api.images import ENGINE_IMAGE
 from slofleet.api.network import Network
 from slofleet.api.router import Router, RouterAuth, precise_rules  # noqa: F401 (RouterAuth re-exported)
 
@@ -80,7 +81,7 @@ def _engine_rules() -> dict:
 class Engine(_Model):
     """How each engine pod runs: image, resources and the `slofleet serve` batching/KV settings. The operator
     passes every shared setting as its flag, then `args` as given."""
-    image: str = Field("slofleet/engine:0.1.0", description="the one image all roles run")
+    image: str = Field(ENGINE_IMAGE, description="the engine pods' image")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     port: int = Field(DEFAULT_ENGINE_PORT, ge=1, le=65535,
                       description="HTTP port of the OpenAI API, /health, /ready, /metrics")

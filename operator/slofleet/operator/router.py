@@ -109,7 +109,7 @@ def pod_template(svc: LLMService, config_map: str, config_hash: str) -> dict:
         volumes.append({"name": "auth", "secret": {"secretName": r.auth.secret_name}})
         mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
     container = {
-        "name": ROLE, "image": e.image, "imagePullPolicy": e.image_pull_policy,  # the one image of every role
+        "name": ROLE, "image": r.pod_image(e.image), "imagePullPolicy": e.image_pull_policy,
         "command": ["slofleet", "router"], "args": router_args(svc), "env": env(svc),
         "ports": [{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
         "resources": {"requests": {k: str(v) for k, v in r.resources.requests.items()},
