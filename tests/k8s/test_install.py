@@ -5,6 +5,7 @@ import time
 
 import yaml
 
+from slofleet.api.images import CONTROL_IMAGE
 from tests.k8s.conftest import REPO, apply_crds, log, wait_until
 
 CHART = str(REPO / "charts" / "slofleet")
@@ -93,7 +94,7 @@ def test_helm_install_and_uninstall(crds):
     crds.helm("install", "slofleet", CHART, "--namespace", "slofleet-helm", "--create-namespace", "--wait=false")
     assert crds.helm("status", "slofleet", "--namespace", "slofleet-helm").stdout.count("STATUS: deployed") == 1
     dep = crds.get("deployment", "slofleet-operator", "slofleet-helm")
-    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "slofleet/engine:0.1.0"
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == CONTROL_IMAGE
     _operator_is_least_privilege(crds, "slofleet-operator")
     assert crds.get("deployment", "slofleet-autoscaler", "slofleet-helm") is not None
     _autoscaler_is_least_privilege(crds, "slofleet-autoscaler")

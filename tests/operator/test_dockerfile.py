@@ -1,44 +1,51 @@
-"""engine_image/Dockerfile without a container engine: its `RUN pip install` steps in a fresh virtual
-environment, then `slofleet serve --help` and `slofleet operator --help` from it."""
+"""engine_image/Dockerfile without a container engine: each image's `RUN pip install` steps in a fresh virtual
+environment, then the roles that image runs (`--help`, and its CMD's role)."""
 from __future__ import annotations
 
-import shlex
-import site
 import subprocess
-import venv
+import sys
 from pathlib import Path
 
-from tests.support import ROOT
+from slofleet.api.images import CONTROL_IMAGE, ENGINE_IMAGE
+from tests.support.images import DOCKERFILE, build_steps, fresh_venv, run_pip_steps, stages
 
 
-def pip_steps() -> list[list[str]]:
-    steps = []
-    for line in (ROOT / "engine_image" / "Dockerfile").read_text().splitlines():
-        if line.startswith("RUN pip install"):
-            steps.append(shlex.split(line.removeprefix("RUN ")))
-    return steps
+def helps(py: Path, roles: list[str], cwd: Path) -> None:
+    for role in roles:
+        r = subprocess.run([py.parent / "slofleet", role, "--help"], capture_output=True, text=True, timeout=120,
+                           cwd=cwd)
+        assert r.returncode == 0 and r.stdout.startswith(f"usage: slofleet {role}"), r.stdout + r.stderr
 
 
-def test_dockerfile_install_steps_give_a_working_cli(tmp_path: Path):
-    steps = pip_steps()
-    assert [s[:2] for s in steps] == [["pip", "install"]] * 2
-    env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
-    py = env_dir / "bin" / "python"
+def test_the_images_are_two_targets_and_the_engine_is_the_default():
+    s = stages()
+    assert list(s)[-1] == "engine" and "control" in s
+    assert s["engine"].cmd[:2] == ["slofleet", "serve"] and s["control"].cmd[:2] == ["slofleet", "operator"]
+    assert build_steps("engine")[0] == ["pip", "install", ".[engine]"]
+    # Only the engine image gets a compiler (the CPU kernels).
+    text = DOCKERFILE.read_text()
+    assert text.count("g++") == 1 and text.index("g++") > text.index("AS engine\n")
+    # The build commands in its header tag each target with the name the operator and the chart use.
+    assert f"--target engine -t {ENGINE_IMAGE} ." in text and f"--target control -t {CONTROL_IMAGE} ." in text
+
+
+def test_engine_image_steps_give_serve_and_every_router(tmp_path: Path):
     # The heavy dependencies (torch, ...) come from this test's own environment through a .pth file, so the
     # steps resolve them as already installed instead of downloading gigabytes; slofleet itself is built and
-    # installed from the source tree as `pip install .` does in the image.
-    purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    (Path(purelib) / "_outer.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    for step in steps:
-        r = subprocess.run([py, "-m", *step, "--quiet", "--no-build-isolation"] if step[-1] == "." else
-                           [py, "-m", *step, "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, f"{step}: {r.stdout}\n{r.stderr}"
-    cli = env_dir / "bin" / "slofleet"
-    where = subprocess.run([py, "-c", "import slofleet.api, slofleet.operator.cli; print(slofleet.api.__file__)"],
+    # installed from the source tree as `pip install .[engine]` does in the image.
+    py = fresh_venv(tmp_path / "venv", outer_site=[p for p in sys.path if p.endswith("site-packages")])
+    run_pip_steps(py, build_steps("engine"), build_isolation=False)
+    where = subprocess.run([py, "-c", "import slofleet.api, slofleet.engine.server.cli; print(slofleet.api.__file__)"],
                            capture_output=True, text=True, check=True, cwd=tmp_path).stdout
-    assert str(env_dir) in where, where  # the installed copy, not the editable source tree
-    for sub in ("serve", "operator"):
-        r = subprocess.run([cli, sub, "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-        assert r.returncode == 0 and "usage: slofleet" in r.stdout, r.stdout + r.stderr
+    assert str(tmp_path / "venv") in where, where  # the installed copy, not the editable source tree
+    helps(py, ["serve", "router"], tmp_path)
+
+
+def test_control_image_steps_give_its_roles(control_venv: Path, tmp_path: Path):
+    where = subprocess.run([control_venv, "-c", "import slofleet.api; print(slofleet.api.__file__)"],
+                           capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    assert str(control_venv.parent.parent) in where, where
+    helps(control_venv, ["operator", "autoscaler", "router"], tmp_path)
+    cmd = stages()["control"].cmd
+    r = subprocess.run([control_venv.parent / cmd[0], cmd[1], "--help"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr

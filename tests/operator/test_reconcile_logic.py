@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from slofleet.api.images import CONTROL_IMAGE
 from slofleet.api.v1alpha1 import Bucket, LLMService, Pool, RoleAutoscaling
 from slofleet.engine.config import EngineConfig
 from slofleet.operator import children, status
@@ -86,7 +87,7 @@ def test_the_router_is_deployed_in_front_of_the_engines():
     assert d["selector"]["matchLabels"] == {"slofleet.dev/service": "s", "slofleet.dev/role": "router"}
     assert objs["Service/s-router"]["spec"]["selector"] == d["selector"]["matchLabels"]
     assert objs["Service/s-router"]["spec"]["ports"] == [{"name": "http", "port": 9090, "targetPort": "http"}]
-    assert c["command"] == ["slofleet", "router"] and c["image"] == "reg/x:1"  # the one image
+    assert c["command"] == ["slofleet", "router"] and c["image"] == CONTROL_IMAGE  # no torch without precise
     assert [arg(c, f) for f in ("--port", "--k8s-llmservice", "--k8s-port-name", "--prefill-threshold-tokens",
                                 "--hold-timeout-seconds", "--policy", "--grace-period", "--host",
                                 "--max-model-len")] == \

@@ -23,6 +23,7 @@ from slofleet.api.contract import (
     VLLM,
     not_exported,
 )
+from slofleet.api.images import CONTROL_IMAGE
 from slofleet.api.runtime import IMAGES, LIMITS, SLOFLEET_IMAGE
 from slofleet.api.v1alpha1 import LLMService
 from slofleet.operator import children
@@ -284,7 +285,13 @@ def test_router_and_init_steps_run_slofleets_image_whatever_the_engines_run(runt
     tpl = objs["Deployment/s-unified"]["spec"]["template"]
     assert engine(tpl)["image"] == "mine/server:1"
     assert tpl["spec"]["initContainers"][0]["image"] == SLOFLEET_IMAGE
-    assert objs["Deployment/s-router"]["spec"]["template"]["spec"]["containers"][0]["image"] == SLOFLEET_IMAGE
+    # the router runs slofleet's control image, or slofleet's engine image under precise: never the runtime's
+    assert objs["Deployment/s-router"]["spec"]["template"]["spec"]["containers"][0]["image"] == CONTROL_IMAGE
+    if runtime == VLLM:
+        s = svc({"engine": {"runtime": runtime, "image": "mine/server:1"}, "router": {"policy": "precise"}})
+        objs = {f"{o['kind']}/{o['metadata']['name']}": o
+                for o in children.desired(s, children.Inputs(buckets=[], internal_token="t"))}
+        assert objs["Deployment/s-router"]["spec"]["template"]["spec"]["containers"][0]["image"] == SLOFLEET_IMAGE
 
 
 def test_slofleet_runtime_keeps_its_own_pod():

@@ -97,6 +97,8 @@ FIELDS = {
     "router.holdTimeoutSeconds": f"{LOGIC}::test_the_router_is_deployed_in_front_of_the_engines",
     "router.resources.requests": f"{ROUTER}::test_router_resources",
     "router.resources.limits": f"{ROUTER}::test_router_resources",
+    "router.image": "tests/operator/test_images.py::test_engine_pods_run_the_engine_image_and_routers_what_their_"
+                    "policy_needs",
     "router.auth.secretName": f"{ROUTER}::test_auth_mounts_the_secret_and_names_its_key_and_default_quotas",
     "router.auth.key": f"{ROUTER}::test_auth_mounts_the_secret_and_names_its_key_and_default_quotas",
     "router.auth.requestsPerMinute": f"{ROUTER}::test_auth_mounts_the_secret_and_names_its_key_and_default_quotas",

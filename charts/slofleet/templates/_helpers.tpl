@@ -12,6 +12,7 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
 app.kubernetes.io/name: slofleet-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
+{{- define "slofleet.image" -}}{{ .Values.image.repository }}:{{ default .Chart.AppVersion .Values.image.tag }}{{- end -}}
 {{- define "slofleet.autoscaler" -}}{{ .Release.Name }}-autoscaler{{- end -}}
 {{- define "slofleet.autoscalerLabels" -}}
 app.kubernetes.io/name: slofleet-autoscaler

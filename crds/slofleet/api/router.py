@@ -8,6 +8,7 @@ from pydantic import Field
 
 from slofleet.api.base import Model, Resources, rules
 from slofleet.api.contract import KV_EVENTS_PORT, KV_REPLAY_PORT
+from slofleet.api.images import CONTROL_IMAGE
 
 # Measured for the embedded model: the router's tokenizer, the engine loader's torch and the model's one-time
 # conversion peak at 1.45 GB resident; a full default index (--prefix-index-blocks) adds about 0.4 GB after.
@@ -43,6 +44,12 @@ class Router(Model):
     resources: Resources = Field({"requests": {"cpu": "100m", "memory": "128Mi"},
                                   "limits": {"cpu": "1", "memory": "512Mi"}})
     auth: RouterAuth | None = Field(None, description="API keys: absent, the router takes requests without a key")
+    image: str | None = Field(None, min_length=1, description=f"the router pods' image; default: {CONTROL_IMAGE}, "
+                              "or engine.image under policy precise (the router loads the engines' model)")
+
+    def pod_image(self, engine_image: str) -> str:
+        """Its own image where set; else the engines' under precise, which needs torch; else the control plane's."""
+        return self.image or (engine_image if self.kv_events() else CONTROL_IMAGE)
 
     def kv_events(self) -> bool:
         """Whether the router follows the engines' KV events, so that they must publish them."""

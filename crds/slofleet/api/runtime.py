@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING
 
 from slofleet.api.base import rules
 from slofleet.api.contract import LLAMACPP, SLOFLEET, VLLM
+from slofleet.api.images import ENGINE_IMAGE
 from slofleet.api.router import precise_rules
 
 if TYPE_CHECKING:
     from slofleet.api.v1alpha1 import LLMServiceSpec
 
-SLOFLEET_IMAGE = "slofleet/engine:0.1.0"  # the image of every slofleet role, and of the other runtimes' init steps
+SLOFLEET_IMAGE = ENGINE_IMAGE  # slofleet's engines, a precise router, and the other runtimes' init steps
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

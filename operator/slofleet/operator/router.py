@@ -110,7 +110,7 @@ def pod_template(svc: LLMService, config_map: str, config_hash: str) -> dict:
         volumes.append({"name": "auth", "secret": {"secretName": r.auth.secret_name}})
         mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
     container = {
-        "name": ROLE, "image": own_image(svc), "imagePullPolicy": e.image_pull_policy,  # whatever the runtime
+        "name": ROLE, "image": r.pod_image(own_image(svc)), "imagePullPolicy": e.image_pull_policy,
         "command": ["slofleet", "router"], "args": router_args(svc), "env": env(svc),
         "ports": [{"name": "http", "containerPort": r.port, "protocol": "TCP"}],
         "resources": {"requests": {k: str(v) for k, v in r.resources.requests.items()},
