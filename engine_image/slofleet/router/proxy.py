@@ -35,7 +35,7 @@ from pydantic import ValidationError
 
 from slofleet.api import v1alpha1 as api
 from slofleet.api.base import error_text
-from slofleet.api.contract import BUCKET_HEADER, REQUEST_ID_HEADER, ROUTER, TPOT_HEADER
+from slofleet.api.contract import BUCKET_HEADER, COMPLETIONS_MAX_TOKENS, REQUEST_ID_HEADER, ROUTER, TPOT_HEADER
 from slofleet.tracing.core import RequestTrace, Tracing, request_id, with_request_id
 
 from .balancer import Balancer
@@ -51,7 +51,6 @@ from .upstream import GENERATE, RETRYABLE, SERVING, Upstream
 from .wire import RoutedBody, error_body, headers_of, internal_auth, respond, with_field
 
 log = logging.getLogger("slofleet.router")
-COMPLETIONS_MAX_TOKENS = 16  # what /v1/completions generates without max_tokens (OpenAI's default, the engine's)
 
 
 @dataclass
