@@ -62,6 +62,15 @@ class Failed:
 
 
 @dataclass(slots=True, kw_only=True)
+class Cut:
+    """Why a started answer ended early: the metric's reason, and the SSE error event's status, message and type."""
+    reason: str
+    status: int
+    message: str
+    kind: str
+
+
+@dataclass(slots=True, kw_only=True)
 class Pick:
     replica: Replica
     prefill: Replica | None  # the prefill replica named in the hand-off header, for a long prompt
@@ -281,24 +290,27 @@ class Upstream:
             await send({"type": "http.response.body", "body": b""})
             done = True
         except asyncio.TimeoutError:  # the idle timer (resp.watch): the replica went quiet (it stays in rotation)
-            cut = ("idle_timeout", 504, f"the replica sent nothing for {self.cfg.idle_timeout:g} s", "gateway_timeout")
+            cut = Cut(reason="idle_timeout", status=504, message=f"the replica sent nothing for "
+                      f"{self.cfg.idle_timeout:g} s", kind="gateway_timeout")
         except RETRYABLE as e:  # after the first byte nothing can be retried: end the response
             self.replicas.mark_failed(replica, str(e))
-            cut = ("replica_failed", 502, f"the replica failed mid-response: {type(e).__name__}", "bad_gateway")
+            cut = Cut(reason="replica_failed", status=502, message=f"the replica failed mid-response: "
+                      f"{type(e).__name__}", kind="bad_gateway")
         except asyncio.CancelledError:  # the client left, or the shutdown's grace period ran out
             if self.draining:
-                cut = ("shutdown", 503, "the router is shutting down; retry the request", "unavailable")
+                cut = Cut(reason="shutdown", status=503, message="the router is shutting down; retry the request",
+                          kind="unavailable")
             raise
         finally:
             replica.inflight -= 1
-            relayed, tail = resp.progress()
-            chunks, last = chunks + relayed, tail or last
+            got = resp.progress()
+            chunks, last = chunks + got.chunks, got.tail or last
             resp.release() if done else resp.close()
             if cut is not None:
-                await self.end_cut_stream(send, resp, name, last, replica.url, *cut)
+                await self.end_cut_stream(send, resp, name, last, replica.url, cut)
             if t_first is not None:
                 end = time.time_ns()
-                rt.span("stream", t_first, end, chunks=chunks, cut=cut and cut[0])
+                rt.span("stream", t_first, end, chunks=chunks, cut=cut and cut.reason)
                 self.metrics.phase.labels(name, "stream").observe((end - t_first) / 1e9)
             span.end()
         return resp.status
@@ -310,12 +322,11 @@ class Upstream:
         await respond(send, failed.status, failed.body, headers=retry)
         return failed.status
 
-    async def end_cut_stream(self, send, resp, bucket: str, last: bytes, url: str, reason: str, status: int,
-                             message: str, kind: str) -> None:
-        log.warning("stream from replica %s cut: %s", url, message)
-        self.metrics.cut.labels(bucket, reason).inc()
+    async def end_cut_stream(self, send, resp, bucket: str, last: bytes, url: str, cut: Cut) -> None:
+        log.warning("stream from replica %s cut: %s", url, cut.message)
+        self.metrics.cut.labels(bucket, cut.reason).inc()
         if resp.content_type != "text/event-stream":
             return  # a JSON answer short of its content-length: the client sees the connection close early
         sep = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a half-sent event first
         with contextlib.suppress(Exception):  # the client may be gone
-            await send({"type": "http.response.body", "body": sep + sse_error(status, message, kind)})
+            await send({"type": "http.response.body", "body": sep + sse_error(cut.status, cut.message, cut.kind)})
