@@ -16,13 +16,9 @@ def tracked() -> list[Path]:
 
 def offenders(path: Path, limit: int) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            lines = node.end_lineno - node.lineno + 1
-            if lines > limit:
-                found.append(f"{path}:{node.lineno} {node.name}: {lines} lines")
-    return found
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [f"{path}:{f.lineno} {f.name}: {f.end_lineno - f.lineno + 1} lines"
+            for f in sorted(functions, key=lambda f: f.lineno) if f.end_lineno - f.lineno + 1 > limit]
 
 
 def main() -> int:
