@@ -12,7 +12,7 @@ help:
 	@echo "make serve    install into $(VENV) and serve the embedded model on $(HOST):$(PORT)"
 	@echo "make test     install and run the whole test suite"
 	@echo "make bench    run the engine CPU benchmark (prints a table)"
-	@echo "make lint     ruff, and no production module over $(MAX_MODULE_LINES) lines"
+	@echo "make lint     ruff; no production module over $(MAX_MODULE_LINES) lines, no function over $(MAX_FUNCTION_LINES)"
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -34,13 +34,16 @@ test: install
 bench: install
 	$(PY) benchmarks/engine_cpu.py
 
-# ruff (rules and line length in pyproject.toml), then no production module over $(MAX_MODULE_LINES) lines.
+# ruff (rules and line length in pyproject.toml), then no production module (outside tests/ and benchmarks/) over
+# $(MAX_MODULE_LINES) lines and no production function over $(MAX_FUNCTION_LINES), counted from `def` to its last line.
 MAX_MODULE_LINES ?= 350
+MAX_FUNCTION_LINES ?= 60
 lint: install
 	$(VENV)/bin/ruff check .
 	@long=$$(git ls-files '*.py' | grep -v '^tests/\|^benchmarks/' | xargs wc -l | \
 		awk -v max=$(MAX_MODULE_LINES) '$$2 != "total" && $$1 > max {print "  " $$2 ": " $$1 " lines"}'); \
 	if [ -n "$$long" ]; then echo "modules over $(MAX_MODULE_LINES) lines (split them):"; echo "$$long"; exit 1; fi
+	@$(PY) tools/long_functions.py --max $(MAX_FUNCTION_LINES)
 
 # Component makefiles (the local control plane, ...) add their own targets here.
 -include mk/*.mk

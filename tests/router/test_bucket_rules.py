@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from slofleet.router.buckets import Admission, Classifier, load_buckets, parse_buckets
+from slofleet.api.contract import DEFAULT_BUCKET
+from slofleet.router.buckets import DEFAULT_BUCKETS, Admission, Classifier, load_buckets, parse_buckets
 
 
 def write(path, buckets: list[dict], stamp: float) -> None:
@@ -55,3 +56,12 @@ def test_the_queued_tokens_limit():
     c = Classifier([free])
     for _ in range(3):  # at the default (no limit), the same load is admitted
         c.admit(free, 800, 0, 100)
+
+
+def test_the_catch_all_bucket_has_the_contracts_default_name():
+    """The router's default bucket is the name the engine labels unbucketed requests with and the autoscaler
+    reads as the one bucket of an unlabelled engine."""
+    assert [b.name for b in DEFAULT_BUCKETS] == [DEFAULT_BUCKET]
+    named = parse_buckets([{"name": "chat", "match": {"maxPromptTokens": 100}}])
+    assert [b.name for b in named] == ["chat", DEFAULT_BUCKET]
+    assert parse_buckets([{"name": "all"}])[-1].name == "all"  # a catch-all of its own: none added

@@ -8,6 +8,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from slofleet.api.contract import DEFAULT_BUCKET
 from slofleet.api.v1alpha1 import Bucket, LLMService, RoleAutoscaling
 
 from .policy import SLO, Decision, PolicyConfig
@@ -35,7 +36,7 @@ def slo_targets(buckets: list[Bucket]) -> tuple[SLO, dict[str, tuple[float, ...]
     in-flight work is estimated at): the strictest targets and percentile."""
     per, default = bucket_slos(buckets), SLO()
     if not per:
-        return default, {"default": (default.ttft_s, default.tpot_s)}
+        return default, {DEFAULT_BUCKET: (default.ttft_s, default.tpot_s)}
     strictest = lambda got, fallback: min((t for t in got if math.isfinite(t)), default=fallback)  # noqa: E731
     return (SLO(strictest([b.ttft_s for b in per.values()], default.ttft_s),
                 strictest([b.tpot_s for b in per.values()], default.tpot_s), max(b.target for b in per.values())),

@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.parse
 
-from slofleet.api.contract import ROLES
+from slofleet.api.contract import DEFAULT_BUCKET, ROLES
 from slofleet.api.v1alpha1 import Autoscaling
 
 from .actuate import STALE_INTERVALS, WINDOW_INTERVALS
@@ -120,7 +120,7 @@ def run_targets(args: argparse.Namespace, base: PolicyConfig) -> int:
             pods = [s for s in (scrape(u, role, args.interval / 2) for u in urls) if s is not None]
             if pods:
                 history[role].add(merge(role, now, pods))
-            win = history[role].window(now, {"default": (slo.ttft_s, slo.tpot_s)})
+            win = history[role].window(now, {DEFAULT_BUCKET: (slo.ttft_s, slo.tpot_s)})
             d = policies[role].decide(now, win, Fleet(ready=len(pods)))
             print(json.dumps({"time": round(now, 1), "role": role, "ready": len(pods), "desired": d.desired,
                               "condition": d.condition, "reason": d.reason}), flush=True)

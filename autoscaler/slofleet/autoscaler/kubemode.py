@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kubernetes.client.rest import ApiException
 
-from slofleet.api.contract import PREFILL, ROLE_LABEL, ROUTER, SERVICE_LABEL, now, parse_time
+from slofleet.api.contract import PREFILL, ROLE_LABEL, ROUTER, SERVICE_LABEL, now, parse_time, pod_url
 from slofleet.api.v1alpha1 import BucketStatus, LLMService, RoleAutoscaling, SLOPolicy
 
 from . import actuate, attainment
@@ -50,12 +50,6 @@ def ready(pod: dict) -> bool:
 
 def selector(service: str, role: str) -> str:
     return f"{SERVICE_LABEL}={service},{ROLE_LABEL}={role}"
-
-
-def pod_url(pod: dict) -> str:
-    ports = [p for c in pod["spec"]["containers"] for p in c.get("ports") or []]
-    port = next((p for p in ports if p.get("name") == "http"), ports[0] if ports else {"containerPort": 8000})
-    return f"http://{pod['status']['podIP']}:{port['containerPort']}"
 
 
 class Autoscaler:

@@ -20,7 +20,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from slofleet.api.contract import DECODE, PREFILL, ROLES, UNIFIED
+from slofleet.api.contract import DECODE, DEFAULT_BUCKET, PREFILL, ROLES, UNIFIED
 from slofleet.api.v1alpha1 import SIGNALS
 
 from .forecast import Forecaster
@@ -124,7 +124,7 @@ class Policy:
         if win.buckets:
             return win.buckets
         n = win.arrival_rate * win.seconds
-        return {"default": BucketWindow(n, win.arrival_rate, win.mean_prompt or 0.0, win.mean_output or 0.0,
+        return {DEFAULT_BUCKET: BucketWindow(n, win.arrival_rate, win.mean_prompt or 0.0, win.mean_output or 0.0,
                                         win.ttft_attainment, win.itl_attainment)} if win.mean_prompt else {}
 
     def target(self, bucket: str) -> SLO:

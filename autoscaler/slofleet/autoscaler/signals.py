@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from slofleet.api.contract import (
+    DEFAULT_BUCKET,
     E2E,
     GENERATION_TOKENS,
     ITL,
@@ -124,10 +125,10 @@ def from_samples(samples: Iterable[Sample], role: str, t: float, pod: str = "") 
                 counts[s.labels["bucket"]] = counts.get(s.labels["bucket"], 0.0) + s.value
         base, _, part = s.name.rpartition("_")
         if part in ("sum", "count") and base in PHASES:
-            key3 = (PHASES[base], s.labels.get("bucket", "default"), part)
+            key3 = (PHASES[base], s.labels.get("bucket", DEFAULT_BUCKET), part)
             sig.phases[key3] = sig.phases.get(key3, 0.0) + s.value
         if s.name.endswith("_bucket") and s.name[:-7] in HISTOGRAMS:
-            key = (HISTOGRAMS[s.name[:-7]], s.labels.get("bucket", "default"))
+            key = (HISTOGRAMS[s.name[:-7]], s.labels.get("bucket", DEFAULT_BUCKET))
             le = float(s.labels["le"])
             buckets.setdefault(key, {})[le] = buckets.get(key, {}).get(le, 0.0) + s.value
     for (kind, bucket), by_le in buckets.items():
@@ -195,7 +196,7 @@ def window(old: RoleSignals, new: RoleSignals, slo: dict[str, tuple[float, ...]]
     def shares(kind: str, which: int) -> dict[str, float]:
         out = {}
         for b, h in getattr(new, kind).items():
-            target = slo.get(b, slo.get("default"))
+            target = slo.get(b, slo.get(DEFAULT_BUCKET))
             limit = target[which] if target and len(target) > which else math.inf
             share = h.minus(getattr(old, kind).get(b)).fraction_le(limit) if math.isfinite(limit) else None
             if share is not None:

@@ -18,14 +18,14 @@ Per-request TTFT and TPOT are read afterwards from the recorded served-prompt-to
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from slofleet.api.contract import UNIFIED
+from slofleet.api.contract import DEFAULT_BUCKET, UNIFIED
 
+from .fluid import Inputs, State, advance
 from .policy import SLO, Decision, Fleet
 from .profiles import Profile
 from .signals import Histogram, RoleSignals, Window, window
@@ -51,7 +51,7 @@ class SimConfig:
     # none: every request is in bucket 'default' with `slo`
 
     def targets(self) -> dict[str, SLO]:
-        return self.buckets or {"default": self.slo}
+        return self.buckets or {DEFAULT_BUCKET: self.slo}
 
 
 @dataclass
@@ -77,145 +77,67 @@ class Result:
 
 
 def simulate(trace: Trace, ctrl: Controller, cfg: SimConfig, name: str = "") -> Result:
-    prof, dt, targets = cfg.profile, cfg.dt, cfg.targets()
-    arr, p, o = trace.arrival, trace.prompt.astype(np.float64), trace.output.astype(np.int64)
-    cls, nb = trace.classes(), len(targets)
+    run = inputs(trace, cfg)
+    st = initial_state(run, cfg)
+    for k in range(run.ticks):
+        t0, t1 = k * cfg.dt, (k + 1) * cfg.dt
+        advance(run, st, cfg.dt, k, t0, t1)
+        if t1 % cfg.scrape_s < cfg.dt / 2 or cfg.scrape_s - t1 % cfg.scrape_s < cfg.dt / 2:
+            st.snaps.append(scrape(run, st, t1))
+        if t1 % cfg.decide_s < cfg.dt / 2 or cfg.decide_s - t1 % cfg.decide_s < cfg.dt / 2:
+            control(run, st, ctrl, cfg, t1)
+    return finish(trace, cfg, name or type(ctrl).__name__, st.first, st.last_step, st.steps, st.paid_s, st.actions,
+                  st.minute_paid, int(st.preemptions), st.reasons)
+
+
+def inputs(trace: Trace, cfg: SimConfig) -> Inputs:
+    prof, targets = cfg.profile, cfg.targets()
+    p, o = trace.prompt.astype(np.float64), trace.output.astype(np.int64)
     ttft_t, tpot_t = (np.array([getattr(x, a) for x in targets.values()]) for a in ("ttft_s", "tpot_s"))
-    pos = np.cumsum(p)  # each request's last prompt token's place in the fleet's prefill queue
-    ticks = int(math.ceil((trace.duration + cfg.tail_s) / dt))
-    alone = np.ceil(p / prof.token_budget) * prof.step_s + p * prof.prefill_token_s  # its prefill on an idle replica
-    first = np.full(len(p), np.inf)  # first-token time per request
-    last_step = np.full(len(p), np.inf)  # the step count S at which its last token comes
-    steps = np.zeros(ticks + 1)  # decode steps done per replica (S) at each tick boundary
-    ring_len = int(o.max()) + int(dt / prof.step_s) + 2  # a finish step is at most one tick's steps + output ahead
-    # per finish slot: requests, their prompt tokens, their entry step; running KV is then exact:
-    # K = prompts + B * S - entry steps (each running request holds its prompt plus one token per step)
-    ring_n, ring_p, ring_s0 = np.zeros((ring_len, nb)), np.zeros(ring_len), np.zeros(ring_len)  # ring_n by bucket
-    C = debt = S = K = kv_p = kv_s0 = evicted = 0.0
-    B, done_pre, arrived, running = 0, 0, 0, np.zeros(nb)  # running: B by bucket
-    ready, starting, draining = cfg.initial, deque(), deque()  # starting/draining: times they change state
-    cum = dict(prompt=0.0, gen=0.0, fin=0.0, preempt=0.0)
-    by = {k: np.zeros(nb) for k in ("prompt", "gen", "ttft_ok", "ttft_n", "itl_ok", "itl_n")}  # counters by bucket
-    snaps: list[RoleSignals] = []
-    paid_s, actions, desired, reasons = 0.0, 0, cfg.initial, []
-    minute_paid = np.zeros(ticks // int(60 / dt) + 2)
-    a, bp, cs, dk = prof.step_s, prof.prefill_token_s, prof.decode_seq_s, prof.kv_token_s
-    step_time = a
-    for k in range(ticks):
-        t0, t1 = k * dt, (k + 1) * dt
-        while starting and starting[0] <= t0:
-            starting.popleft()
-            ready += 1
-        while draining and draining[0] <= t0:
-            draining.popleft()
-        serving = ready + len(draining)
-        arrived = int(np.searchsorted(arr, t1))
-        queued = (pos[arrived - 1] if arrived else 0.0) - C
-        # -- prefill, sharing each step's token budget with the running decodes
-        pre_time, C0, new = 0.0, C, done_pre
-        if ready and queued + debt > 0 and B < prof.max_batch * serving:
-            b = B / serving
-            chunk = max(prof.token_budget - b, 1.0)
-            tau = a + cs * b + dk * K / serving
-            speed = ready * chunk / (tau + bp * chunk)  # prompt tokens/s while the queue lasts
-            x = min(queued + debt, speed * dt, max(prof.kv_tokens * serving - K, 0.0))
-            from_debt = min(debt, x)
-            debt -= from_debt
-            evicted = max(evicted - from_debt, 0.0)
-            C += x - from_debt
-            pre_time = x / ready * bp
-            new = int(np.searchsorted(pos, C + 1e-6, side="right"))
-        if new > done_pre:
-            sl = slice(done_pre, new)
-            oo, pp, cc = o[sl], p[sl], cls[sl]
-            # at full speed from the tick's start, after the recompute debt; never before its own prefill
-            first[sl] = np.maximum(t0 + (from_debt + pos[sl] - C0) / speed, arr[sl] + alone[sl])
-            entering = np.bincount(cc, minlength=nb)
-            by["ttft_n"] += entering
-            by["ttft_ok"] += np.bincount(cc, first[sl] - arr[sl] <= ttft_t[cc], nb)
-            by["prompt"] += np.bincount(cc, pp, nb)
-            by["gen"] += entering
-            cum["prompt"] += float(pp.sum())
-            cum["gen"] += len(oo)
-            multi = oo > 1
-            cum["fin"] += float(len(oo) - multi.sum())
-            B += int(multi.sum())
-            running += np.bincount(cc, multi, nb)
-            kv_p += float(pp[multi].sum())
-        # -- decode in the time prefill left
-        if B and serving:
-            tau = a + cs * B / serving + dk * K / serving
-            n = max(dt - pre_time, 0.05 * dt) / tau
-            step_time = dt / n
-            if new > done_pre:  # entrants join at the step count of their first token
-                s_in = S + n * np.clip((first[sl] - t0) / dt, 0.0, 1.0)
-                last_step[sl] = s_in + oo - 1
-                slots = last_step[sl][multi].astype(np.int64) % ring_len
-                np.add.at(ring_n, (slots, cc[multi]), 1.0)
-                np.add.at(ring_p, slots, pp[multi])
-                np.add.at(ring_s0, slots, s_in[multi])
-                kv_s0 += float(s_in[multi].sum())
-            lo, hi = int(S) + 1, int(S + n)
-            ended = made = np.zeros(nb)
-            if hi >= lo:
-                idx = np.arange(lo, min(hi, lo + ring_len - 1) + 1) % ring_len
-                ended = ring_n[idx].sum(axis=0)
-                # tokens of the ones ending: generated up to their own finish step, not the tick's end
-                made = (np.arange(lo, lo + len(idx)) - S) @ ring_n[idx]
-                kv_p -= ring_p[idx].sum()
-                kv_s0 -= ring_s0[idx].sum()
-                ring_n[idx] = 0.0
-                ring_p[idx] = ring_s0[idx] = 0.0
-            B -= int(round(ended.sum()))
-            running -= ended
-            S += n
-            tokens = running * n + made
-            cum["gen"] += float(tokens.sum())
-            by["gen"] += tokens
-            by["itl_n"] += tokens
-            by["itl_ok"] += np.where(step_time <= tpot_t, tokens, 0.0)
-            cum["fin"] += float(ended.sum())
-            # overflow preempts: evicted tokens are recomputed (served before the queue) and then held again
-            K = max(kv_p + B * S - kv_s0 - evicted, 0.0)
-            cap = prof.kv_tokens * serving
-            if K > cap and B:
-                over = K - cap
-                cum["preempt"] += math.ceil(over / (K / B))
-                debt += over
-                evicted += over
-                K = cap
-        done_pre = new
-        if not B:
-            kv_p = kv_s0 = evicted = K = 0.0
-            running[:] = 0.0
-        steps[k + 1] = S
-        paid_s += (ready + len(starting) + len(draining)) * dt
-        minute_paid[int(t0 // 60)] += (ready + len(starting) + len(draining)) * dt / 60
-        # -- metrics and control
-        if t1 % cfg.scrape_s < dt / 2 or cfg.scrape_s - t1 % cfg.scrape_s < dt / 2:
-            snaps.append(RoleSignals(
-                UNIFIED, t1, pods=serving, waiting=float(arrived - done_pre), running=float(B),
-                kv_usage=K / (prof.kv_tokens * serving) if serving else 0.0, queued_prompt_tokens=queued,
-                preemptions=cum["preempt"], prompt_tokens=cum["prompt"], generation_tokens=cum["gen"],
-                finished=cum["fin"], ttft=histograms(targets, ttft_t, by["ttft_ok"], by["ttft_n"]),
-                itl=histograms(targets, tpot_t, by["itl_ok"], by["itl_n"]),
-                by_bucket={"prompt_tokens": dict(zip(targets, by["prompt"].tolist())),
-                           "generation_tokens": dict(zip(targets, by["gen"].tolist()))}))
-        if t1 % cfg.decide_s < dt / 2 or cfg.decide_s - t1 % cfg.decide_s < dt / 2:
-            d = ctrl.decide(t1, visible(snaps, t1, cfg), Fleet(ready, len(starting)))
-            if d.desired != desired:
-                actions += 1
-                reasons.append(f"t={t1:.0f}s {desired}->{d.desired}: {d.reason}")
-            desired = d.desired
-            while ready + len(starting) < desired:
-                starting.append(t1 + prof.cold_start_s)
-            while ready + len(starting) > desired and starting:
-                starting.pop()  # not started yet: cancel the newest
-            while ready > desired:
-                ready -= 1  # stops taking prompts now, paid until its in-flight requests finish
-                draining.append(t1 + min(0.5 * float(o.mean()) * step_time, 600.0))
-    return finish(trace, cfg, name or type(ctrl).__name__, first, last_step, steps, paid_s, actions, minute_paid,
-                  int(cum["preempt"]), reasons)
+    return Inputs(prof=prof, targets=targets, arr=trace.arrival, p=p, o=o, cls=trace.classes(), nb=len(targets),
+                  ttft_t=ttft_t, tpot_t=tpot_t, pos=np.cumsum(p),
+                  alone=np.ceil(p / prof.token_budget) * prof.step_s + p * prof.prefill_token_s,
+                  ticks=int(math.ceil((trace.duration + cfg.tail_s) / cfg.dt)),
+                  ring_len=int(o.max()) + int(cfg.dt / prof.step_s) + 2)
+
+
+def initial_state(run: Inputs, cfg: SimConfig) -> State:
+    n, nb = len(run.p), run.nb
+    return State(first=np.full(n, np.inf), last_step=np.full(n, np.inf), steps=np.zeros(run.ticks + 1),
+                 ring_n=np.zeros((run.ring_len, nb)), ring_p=np.zeros(run.ring_len), ring_s0=np.zeros(run.ring_len),
+                 running=np.zeros(nb), ready=cfg.initial, desired=cfg.initial,
+                 minute_paid=np.zeros(run.ticks // int(60 / cfg.dt) + 2), by_prompt=np.zeros(nb),
+                 by_gen=np.zeros(nb), ttft_ok=np.zeros(nb), ttft_n=np.zeros(nb), itl_ok=np.zeros(nb),
+                 itl_n=np.zeros(nb), step_time=run.prof.step_s)
+
+
+def scrape(run: Inputs, st: State, t1: float) -> RoleSignals:
+    """The fleet's metrics as an engine exports them."""
+    targets, serving = run.targets, st.serving
+    return RoleSignals(
+        UNIFIED, t1, pods=serving, waiting=float(st.arrived - st.done_pre), running=float(st.B),
+        kv_usage=st.K / (run.prof.kv_tokens * serving) if serving else 0.0, queued_prompt_tokens=st.queued,
+        preemptions=st.preemptions, prompt_tokens=st.prompt_total, generation_tokens=st.gen_total,
+        finished=st.finished, ttft=histograms(targets, run.ttft_t, st.ttft_ok, st.ttft_n),
+        itl=histograms(targets, run.tpot_t, st.itl_ok, st.itl_n),
+        by_bucket={"prompt_tokens": dict(zip(targets, st.by_prompt.tolist())),
+                   "generation_tokens": dict(zip(targets, st.by_gen.tolist()))})
+
+
+def control(run: Inputs, st: State, ctrl: Controller, cfg: SimConfig, t1: float) -> None:
+    """The controller's decision on what it can see, carried out: replicas asked for, cancelled or drained."""
+    d = ctrl.decide(t1, visible(st.snaps, t1, cfg), Fleet(st.ready, len(st.starting)))
+    if d.desired != st.desired:
+        st.actions += 1
+        st.reasons.append(f"t={t1:.0f}s {st.desired}->{d.desired}: {d.reason}")
+    st.desired = d.desired
+    while st.ready + len(st.starting) < st.desired:
+        st.starting.append(t1 + run.prof.cold_start_s)
+    while st.ready + len(st.starting) > st.desired and st.starting:
+        st.starting.pop()  # not started yet: cancel the newest
+    while st.ready > st.desired:
+        st.ready -= 1  # stops taking prompts now, paid until its in-flight requests finish
+        st.draining.append(t1 + min(0.5 * float(run.o.mean()) * st.step_time, 600.0))
 
 
 def histograms(targets: dict[str, SLO], bound: np.ndarray, ok: np.ndarray, n: np.ndarray) -> dict[str, Histogram]:

@@ -14,6 +14,12 @@ from typing import NamedTuple
 UNIFIED, PREFILL, DECODE, ROUTER = "unified", "prefill", "decode", "router"
 ROLES = (UNIFIED, PREFILL, DECODE)  # the engine roles: `slofleet serve --role`, one pool each
 
+# -- request defaults ----------------------------------------------------------------------------------------
+DEFAULT_BUCKET = "default"  # the bucket of a request no rule matches, and of one sent without BUCKET_HEADER
+# What /v1/completions generates without max_tokens (OpenAI's default): the engine generates it, the router charges
+# quotas for it.
+COMPLETIONS_MAX_TOKENS = 16
+
 # -- HTTP headers --------------------------------------------------------------------------------------------
 BUCKET_HEADER = "x-slofleet-bucket"  # the request's bucket, set by the router (or a client calling an engine)
 PREFILL_HEADER = "x-slofleet-prefill-url"  # router -> decode engine: pull this prompt's KV from that prefill engine
@@ -134,6 +140,19 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
                code: int | None = None) -> dict:
     """The OpenAI-shaped error object every HTTP component answers with."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def pod_url(pod: dict, port: int | None = None) -> str | None:
+    """A pod's base URL, http://IP:PORT: at `port`, else at its container port named http (else its first, else
+    DEFAULT_ENGINE_PORT); None until the pod has an IP."""
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    if port is None:
+        ports = [p for c in (pod.get("spec") or {}).get("containers") or [] for p in c.get("ports") or []]
+        named = next((p for p in ports if p.get("name") == "http"), ports[0] if ports else None)
+        port = named["containerPort"] if named else DEFAULT_ENGINE_PORT
+    return f"http://{ip}:{port}"
 
 
 def now() -> str:

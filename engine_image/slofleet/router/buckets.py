@@ -19,6 +19,7 @@ import yaml
 from pydantic import ValidationError
 
 from slofleet.api.base import error_text
+from slofleet.api.contract import DEFAULT_BUCKET
 from slofleet.api.v1alpha1 import SLO, Bucket, Match
 
 log = logging.getLogger("slofleet.router.buckets")
@@ -30,7 +31,7 @@ class RoutedBucket(Bucket):
     slo: SLO | None = None
 
 
-DEFAULT_BUCKETS = [RoutedBucket(name="default")]
+DEFAULT_BUCKETS = [RoutedBucket(name=DEFAULT_BUCKET)]
 
 
 def matches(m: Match, prompt_tokens: int, max_tokens: int | None, headers: dict[str, str], path: str) -> bool:
@@ -55,7 +56,7 @@ def parse_buckets(items: list[dict]) -> list[Bucket]:
     is one, so that nothing goes unclassified."""
     out: list[Bucket] = [RoutedBucket.model_validate(b) for b in items]
     if not any(catch_all(b.match) for b in out):
-        out.append(RoutedBucket(name="default", priority=max((b.priority for b in out), default=0)))
+        out.append(RoutedBucket(name=DEFAULT_BUCKET, priority=max((b.priority for b in out), default=0)))
     return out
 
 

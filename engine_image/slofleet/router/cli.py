@@ -7,6 +7,7 @@ import math
 import sys
 import typing
 import urllib.parse
+from collections.abc import Callable
 
 from slofleet.api.contract import (
     DECODE,
@@ -20,11 +21,19 @@ from slofleet.api.contract import (
     zmq_problem,
 )
 
+if typing.TYPE_CHECKING:
+    from .kv_index import Precise
+    from .proxy import Router, RouterConfig
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from slofleet.api.v1alpha1 import Router as Spec
+    for add in (add_endpoints, add_gateway, add_routing, add_timeouts, add_process):
+        add(parser)
 
-    from .proxy import RouterConfig as Cfg  # the defaults live there (and in the resource), not in the flags
+
+def add_endpoints(parser: argparse.ArgumentParser) -> None:
+    """Where the router listens, and where its replicas are."""
+    from slofleet.api.v1alpha1 import Router as Spec
 
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=Spec.model_fields["port"].default, help="port to listen on")
@@ -40,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="discover every role's replicas of this LLMService (the operator's Services, by their "
                              f"{SERVICE_LABEL} and {ROLE_LABEL} labels)")
     parser.add_argument("--k8s-port-name", default=None, help="EndpointSlice port name to use (default: the first)")
+
+
+def add_gateway(parser: argparse.ArgumentParser) -> None:
+    """Keys, quotas, size limits and admission."""
+    from .proxy import RouterConfig as Cfg  # the defaults live there (and in the resource), not in the flags
+
     parser.add_argument("--buckets", metavar="FILE",
                         help="YAML/JSON bucket rules: a list, {buckets: [...]}, or an LLMService/SLOPolicy; re-read "
                              "within seconds of a change")
@@ -59,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="in-flight requests per ready replica; beyond a bucket's share of it, it is shed")
     parser.add_argument("--min-shed-share", type=float, default=0.5,
                         help="share of the capacity the least critical priority may use (the most critical: all)")
+
+
+def add_routing(parser: argparse.ArgumentParser) -> None:
+    """Replica choice: the policy, prefix affinity, retries and the prefill hand-off."""
+    from slofleet.api.v1alpha1 import Router as Spec
+
+    from .proxy import RouterConfig as Cfg  # the defaults live there (and in the resource), not in the flags
+
     parser.add_argument("--policy", default=Spec.model_fields["policy"].default,
                         choices=typing.get_args(Spec.model_fields["policy"].annotation))
     parser.add_argument("--model", default=None,
@@ -78,6 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-threshold-tokens", type=int, default=Cfg.prefill_threshold_tokens,
                         help="prompts of at least this many (estimated) tokens are prefilled on a prefill replica "
                              "and handed to a decode replica; shorter ones go straight to a decode replica")
+
+
+def add_timeouts(parser: argparse.ArgumentParser) -> None:
+    """Timeouts, connection limits and shutdown."""
+    from .proxy import RouterConfig as Cfg  # the defaults live there (and in the resource), not in the flags
+
     parser.add_argument("--hold-timeout-seconds", type=float, default=Cfg.hold_timeout,
                         help="while no replica is ready, hold requests this long for one (scale from zero), "
                              "then answer 503")
@@ -99,6 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-delay", type=float, default=2.0,
                         help="seconds after SIGTERM that /ready and new requests answer 503 before the listener "
                              "closes, so load balancers stop sending first")
+
+
+def add_process(parser: argparse.ArgumentParser) -> None:
+    """Answers, traces, workers and logs."""
+    from .proxy import RouterConfig as Cfg  # the defaults live there (and in the resource), not in the flags
+
     parser.add_argument("--replica-header", action="store_true", help=f"answer with {REPLICA_HEADER}")
     parser.add_argument("--otlp-traces-endpoint", default=Cfg.otlp_traces_endpoint, metavar="URL",
                         help="send request traces by OTLP/HTTP to this URL (http://collector:4318 gets /v1/traces); "
@@ -145,64 +180,87 @@ def problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+class Usage(Exception):
+    """A setting the router cannot start with: one line for stderr, exit code 2."""
+
+
 def run(args: argparse.Namespace) -> int:
-    from .balancer import Balancer
-    from .buckets import DEFAULT_BUCKETS, Classifier, load_buckets
-    from .gateway import KeyStore, Quotas
-    from .proxy import Router, RouterConfig
-    from .replicas import ReplicaSet, kubernetes_lister, llmservice_selector, service_selector
     from .server import fork_workers, listen_socket, serve
 
-    if wrong := problem(args):
-        print(f"slofleet router: {wrong}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.workers > 1 and (rc := fork_workers(args.workers)) is not None:
-        return rc  # the parent, once its workers ended; each worker goes on below to build its own router
-    static = {**{u: UNIFIED for u in args.upstream}, **{u: PREFILL for u in args.prefill_upstream},
-              **{u: DECODE for u in args.decode_upstream}}
-    if sum(map(bool, (static, args.k8s_service, args.k8s_llmservice))) != 1:
-        print("slofleet router: give either --upstream/--prefill-upstream/--decode-upstream (repeatable), "
-              "--k8s-service or --k8s-llmservice", file=sys.stderr)
-        return 2
     try:
-        buckets = load_buckets(args.buckets) if args.buckets else DEFAULT_BUCKETS
-        keys = KeyStore(args.api_keys_file, args.api_keys_env, args.rpm, args.tpm)
-    except (OSError, ValueError) as e:
-        print(f"slofleet router: {e}", file=sys.stderr)
-        return 2
-    lister = None
-    if args.k8s_service or args.k8s_llmservice:
-        namespace, _, name = (args.k8s_service or args.k8s_llmservice).rpartition("/")
-        selector = service_selector(name) if args.k8s_service else llmservice_selector(name)
-        lister = kubernetes_lister(namespace, selector, args.k8s_port_name)
-    replicas = ReplicaSet(static=static, lister=lister, interval=args.health_interval)
-    cfg = RouterConfig(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                       capacity_per_replica=args.capacity_per_replica, max_attempts=args.max_attempts,
-                       affinity_chars=args.affinity_chars, replica_header=args.replica_header,
-                       prefill_threshold_tokens=args.prefill_threshold_tokens, hold_timeout=args.hold_timeout_seconds,
-                       ttfb_timeout=args.upstream_ttfb_timeout, idle_timeout=args.upstream_idle_timeout,
-                       body_timeout=args.body_timeout, max_model_len=args.max_model_len,
-                       otlp_traces_endpoint=args.otlp_traces_endpoint)
-    precise = None
-    if args.policy == "precise":
-        if not args.model:
-            print("slofleet router: --policy precise needs --model (the engines' own)", file=sys.stderr)
-            return 2
-        from .kv_index import Precise
+        if wrong := problem(args):
+            raise Usage(wrong)
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if args.workers > 1 and (rc := fork_workers(args.workers)) is not None:
+            return rc  # the parent, once its workers ended; each worker goes on below to build its own router
+        app = router(args)
         try:
-            precise = Precise(args.model, args.kv_events_endpoint, args.kv_events_replay_endpoint,
-                              args.prefix_index_blocks)
-        except (OSError, ValueError) as e:
-            print(f"slofleet router: --policy precise: {e}", file=sys.stderr)
-            return 2
-    app = Router(cfg, replicas, Classifier(buckets, args.chars_per_token, args.min_shed_share, args.buckets), keys,
-                 Quotas(), Balancer(args.policy, args.load_factor, precise=precise))
-    try:
-        sock = listen_socket(args.host, args.port, reuse_port=args.workers > 1)
-    except OSError as e:
-        print(f"slofleet router: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+            sock = listen_socket(args.host, args.port, reuse_port=args.workers > 1)
+        except OSError as e:
+            raise Usage(f"cannot listen on {args.host}:{args.port}: {e}") from None
+    except Usage as e:
+        print(f"slofleet router: {e}", file=sys.stderr)
         return 2
     serve(app, sock, head_timeout=args.header_timeout, max_head_bytes=args.max_header_bytes,
           keep_alive=args.keep_alive_timeout, drain_delay=args.drain_delay, grace_period=args.grace_period)
     return 0
+
+
+def router(args: argparse.Namespace) -> Router:
+    """The Router app the flags describe (raises Usage)."""
+    from .balancer import Balancer
+    from .buckets import DEFAULT_BUCKETS, Classifier, load_buckets
+    from .gateway import KeyStore, Quotas
+    from .proxy import Router
+    from .replicas import ReplicaSet
+
+    static = {**{u: UNIFIED for u in args.upstream}, **{u: PREFILL for u in args.prefill_upstream},
+              **{u: DECODE for u in args.decode_upstream}}
+    if sum(map(bool, (static, args.k8s_service, args.k8s_llmservice))) != 1:
+        raise Usage("give either --upstream/--prefill-upstream/--decode-upstream (repeatable), --k8s-service or "
+                    "--k8s-llmservice")
+    try:
+        buckets = load_buckets(args.buckets) if args.buckets else DEFAULT_BUCKETS
+        keys = KeyStore(args.api_keys_file, args.api_keys_env, args.rpm, args.tpm)
+    except (OSError, ValueError) as e:
+        raise Usage(str(e)) from None
+    replicas = ReplicaSet(static=static, lister=lister(args), interval=args.health_interval)
+    return Router(config(args), replicas, Classifier(buckets, args.chars_per_token, args.min_shed_share, args.buckets),
+                  keys, Quotas(), Balancer(args.policy, args.load_factor, precise=precise(args)))
+
+
+def lister(args: argparse.Namespace) -> Callable[[], dict[str, str]] | None:
+    """Replica discovery from Kubernetes, or None for the static --upstream lists."""
+    from .replicas import kubernetes_lister, llmservice_selector, service_selector
+
+    if not (args.k8s_service or args.k8s_llmservice):
+        return None
+    namespace, _, name = (args.k8s_service or args.k8s_llmservice).rpartition("/")
+    selector = service_selector(name) if args.k8s_service else llmservice_selector(name)
+    return kubernetes_lister(namespace, selector, args.k8s_port_name)
+
+
+def config(args: argparse.Namespace) -> RouterConfig:
+    from .proxy import RouterConfig
+
+    return RouterConfig(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                        capacity_per_replica=args.capacity_per_replica, max_attempts=args.max_attempts,
+                        affinity_chars=args.affinity_chars, replica_header=args.replica_header,
+                        prefill_threshold_tokens=args.prefill_threshold_tokens, hold_timeout=args.hold_timeout_seconds,
+                        ttfb_timeout=args.upstream_ttfb_timeout, idle_timeout=args.upstream_idle_timeout,
+                        body_timeout=args.body_timeout, max_model_len=args.max_model_len,
+                        otlp_traces_endpoint=args.otlp_traces_endpoint)
+
+
+def precise(args: argparse.Namespace) -> Precise | None:
+    """--policy precise's index of the replicas' KV blocks, or None for the other policies."""
+    if args.policy != "precise":
+        return None
+    if not args.model:
+        raise Usage("--policy precise needs --model (the engines' own)")
+    from .kv_index import Precise
+
+    try:
+        return Precise(args.model, args.kv_events_endpoint, args.kv_events_replay_endpoint, args.prefix_index_blocks)
+    except (OSError, ValueError) as e:
+        raise Usage(f"--policy precise: {e}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import urllib.parse
+from dataclasses import dataclass
 
 import httptools
 
@@ -118,6 +119,13 @@ class Conn(asyncio.Protocol):
         self.waiter = None
 
 
+@dataclass(slots=True, kw_only=True)
+class Progress:
+    """How far a relay got: the chunks relayed, and the last of them."""
+    chunks: int
+    tail: bytes
+
+
 class Response:
     def __init__(self, pool: Pool, key: tuple, conn: Conn):
         self.pool, self.key, self.conn = pool, key, conn
@@ -166,10 +174,10 @@ class Response:
         finally:
             c.sink = sink.source = None
 
-    def progress(self) -> tuple[int, bytes]:
-        """(chunks relayed, the last of them) so far; ask before `release`."""
+    def progress(self) -> Progress:
+        """How far the relay got so far; ask before `release`."""
         c = self.conn
-        return (c.relayed, c.tail) if c is not None else (0, b"")
+        return Progress(chunks=c.relayed, tail=c.tail) if c is not None else Progress(chunks=0, tail=b"")
 
     async def read(self) -> bytes:
         parts = []

@@ -27,6 +27,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -34,14 +35,14 @@ from pydantic import ValidationError
 
 from slofleet.api import v1alpha1 as api
 from slofleet.api.base import error_text
-from slofleet.api.contract import BUCKET_HEADER, REQUEST_ID_HEADER, ROUTER, TPOT_HEADER
+from slofleet.api.contract import BUCKET_HEADER, COMPLETIONS_MAX_TOKENS, REQUEST_ID_HEADER, ROUTER, TPOT_HEADER
 from slofleet.tracing.core import RequestTrace, Tracing, request_id, with_request_id
 
 from .balancer import Balancer
-from .buckets import Admission, Bucket, Classifier
+from .buckets import Admission, Bucket, Classifier, Ticket
 from .deadline import Deadline
 from .debug import debug_traces
-from .exchange import RELAY
+from .exchange import RELAY, Exchange
 from .gateway import GatewayError, KeyStore, Quotas
 from .http1 import Pool
 from .metrics import RouterMetrics
@@ -50,7 +51,6 @@ from .upstream import GENERATE, RETRYABLE, SERVING, Upstream
 from .wire import RoutedBody, error_body, headers_of, internal_auth, respond, with_field
 
 log = logging.getLogger("slofleet.router")
-COMPLETIONS_MAX_TOKENS = 16  # what /v1/completions generates without max_tokens (OpenAI's default, the engine's)
 
 
 @dataclass
@@ -73,6 +73,27 @@ class RouterConfig:
     # the engines' context length until one lists its own in /v1/models (the operator passes the resource's)
     max_model_len: int = api.Engine.model_fields["max_model_len"].default
     otlp_traces_endpoint: str = ""  # OTLP/HTTP collector for the router's spans (kept in memory either way)
+
+
+@dataclass(slots=True, kw_only=True)
+class Admitted:
+    """A generation request past the gateway and admission, with what forwarding it needs."""
+    raw: bytes  # the body as the client sent it
+    data: dict[str, Any]  # the body parsed
+    body: RoutedBody
+    text: str  # the flattened prompt, for prefix affinity
+    tokens: int  # the prompt's tokens, counted or estimated
+    bucket: Bucket
+    ticket: Ticket
+    t_gateway: int  # ns: the gateway's checks done
+    t_classify: int  # ns: classified and admitted
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too deep, a number past the digit limit
+        raise GatewayError(400, f"the request body is not valid JSON: {e}", "invalid_request_error") from None
 
 
 class Router:
@@ -196,25 +217,30 @@ class Router:
     async def serve(self, scope, receive, send, headers: dict[str, str], rt: RequestTrace) -> int | None:
         """One generation request through the gateway, classification and the upstream: the status answered."""
         t0, path, ex = time.perf_counter(), scope["path"], scope["extensions"][RELAY]
-        bucket: Bucket | None = None
         if self.draining:
             return await self.reject(send, None, "draining", 503, "the router is shutting down; retry the request",
                                      "unavailable", 1)
+        req = await self.admit(path, receive, send, headers, ex)
+        if not isinstance(req, Admitted):
+            return req
+        bucket = req.bucket
+        rt.span("gateway", rt.start_ns, req.t_gateway, prompt_tokens=req.tokens)
+        rt.span("classify", req.t_gateway, req.t_classify, bucket=bucket.name, priority=bucket.priority)
+        self.metrics.phase.labels(bucket.name, "gateway").observe((req.t_gateway - rt.start_ns) / 1e9)
+        self.metrics.phase.labels(bucket.name, "classify").observe((req.t_classify - req.t_gateway) / 1e9)
+        return await self.relay(path, send, ex, req, t0, rt)
+
+    async def admit(self, path: str, receive, send, headers: dict[str, str], ex: Exchange) -> Admitted | int | None:
+        """Authentication, limits, quota, classification and admission: the admitted request, or the status it
+        was refused with (None when the client left while sending its body)."""
+        bucket: Bucket | None = None
         try:
             quota = self.keys.authenticate(headers)
-            try:  # no timer to arm when the whole body came with the head
-                async with contextlib.nullcontext() if ex.complete else Deadline(self.cfg.body_timeout):
-                    raw = await self.read_body(receive, headers)
-            except asyncio.TimeoutError:
-                raise GatewayError(408, f"the request body did not arrive within {self.cfg.body_timeout:g} s",
-                                   "invalid_request_error") from None
-            try:
-                data = json.loads(raw)
-            except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too deep, a number past the digit limit
-                raise GatewayError(400, f"the request body is not valid JSON: {e}", "invalid_request_error") from None
+            raw = await self.read_body_in_time(receive, headers, ex)
+            data = parse_json(raw)
             body = RoutedBody.model_validate(data)
-            text, n_ids = body.text_and_ids()
-            tokens = n_ids if n_ids is not None else self.classifier.estimate_tokens(len(text))
+            prompt = body.flat_prompt()
+            tokens = prompt.ids if prompt.ids is not None else self.classifier.estimate_tokens(len(prompt.text))
             if tokens > self.cfg.max_prompt_tokens:
                 raise GatewayError(413, f"prompt of ~{tokens} tokens is over the limit of {self.cfg.max_prompt_tokens}",
                                    "invalid_request_error")
@@ -224,9 +250,7 @@ class Router:
             bucket = self.classifier.classify(tokens, body.output_tokens(), headers, path)
             # With none ready, one replica's worth is admitted and held for the first to come up.
             ready = len(self.replicas.ready(SERVING)) or (1 if self.cfg.hold_timeout > 0 else 0)
-            capacity = self.cfg.capacity_per_replica * ready
-            ticket = self.classifier.admit(bucket, tokens, self.inflight, capacity)
-            t_classify = time.time_ns()
+            ticket = self.classifier.admit(bucket, tokens, self.inflight, self.cfg.capacity_per_replica * ready)
         except GatewayError as e:
             reason = {400: "invalid", 401: "auth", 408: "slow_client", 413: "size"}.get(e.status, "quota")
             return await self.reject(send, bucket, reason, e.status, e.message, e.kind, e.retry_after)
@@ -239,17 +263,27 @@ class Router:
             return await self.reject(send, bucket, "invalid", 400, f"the request body is not an OpenAI request: {e}",
                                      "invalid_request_error")
         except asyncio.CancelledError:
-            return  # the client left while sending its body
-        rt.span("gateway", rt.start_ns, t_gateway, prompt_tokens=tokens)
-        rt.span("classify", t_gateway, t_classify, bucket=bucket.name, priority=bucket.priority)
-        self.metrics.phase.labels(bucket.name, "gateway").observe((t_gateway - rt.start_ns) / 1e9)
-        self.metrics.phase.labels(bucket.name, "classify").observe((t_classify - t_gateway) / 1e9)
+            return None  # the client left while sending its body
+        return Admitted(raw=raw, data=data, body=body, text=prompt.text, tokens=tokens, bucket=bucket,
+                        ticket=ticket, t_gateway=t_gateway, t_classify=time.time_ns())
+
+    async def read_body_in_time(self, receive, headers: dict[str, str], ex: Exchange) -> bytes:
+        try:  # no timer to arm when the whole body came with the head
+            async with contextlib.nullcontext() if ex.complete else Deadline(self.cfg.body_timeout):
+                return await self.read_body(receive, headers)
+        except asyncio.TimeoutError:
+            raise GatewayError(408, f"the request body did not arrive within {self.cfg.body_timeout:g} s",
+                               "invalid_request_error") from None
+
+    async def relay(self, path: str, send, ex: Exchange, req: Admitted, t0: float, rt: RequestTrace) -> int | None:
+        """Forward an admitted request and relay its answer; a client that leaves cancels it."""
+        bucket = req.bucket
         # the trace context goes per try (each its own span); the request id is the one the client was answered with
         upstream_headers = {"content-type": "application/json", BUCKET_HEADER: bucket.name,
                             REQUEST_ID_HEADER: rt.request_id}
         if bucket.slo is not None and bucket.slo.tpot_ms:  # bounds the prompt work of the engine's steps beside it
             upstream_headers[TPOT_HEADER] = str(bucket.slo.tpot_ms)
-        key = self.balancer.key(body.messages, body.prompt, text, self.cfg.affinity_chars)
+        key = self.balancer.key(req.body.messages, req.body.prompt, req.text, self.cfg.affinity_chars)
         self.inflight += 1
         self.metrics.inflight.labels(bucket.name).inc()
         # The answer is relayed in this task; the front calls back when the client leaves, which cancels it
@@ -266,9 +300,9 @@ class Router:
             if ex.gone:  # it left before the callback was set
                 client_left()
             # the bucket's priority, never the client's own claim
-            payload = with_field(raw, data, "priority", bucket.priority)
-            return await self.upstream.forward(send, ex, path, payload, upstream_headers, key, ticket, t0, tokens,
-                                               rt)
+            payload = with_field(req.raw, req.data, "priority", bucket.priority)
+            return await self.upstream.forward(send, ex, path, payload, upstream_headers, key, req.ticket, t0,
+                                               req.tokens, rt)
         except asyncio.CancelledError:
             if not left:  # cancelled from outside: the shutdown's grace period ran out
                 raise
@@ -277,7 +311,7 @@ class Router:
             return None
         finally:
             ex.on_disconnect = None  # once the answer is complete, a disconnect cancels nothing
-            self.classifier.release(ticket)
+            self.classifier.release(req.ticket)
             self.inflight -= 1
             self.metrics.inflight.labels(bucket.name).dec()
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import re
 import time
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -25,14 +26,14 @@ from slofleet.api.contract import (
     SERVER_TIMING_HEADER,
     UNIFIED,
 )
-from slofleet.tracing.core import CLIENT, RequestTrace
+from slofleet.tracing.core import CLIENT, LeanSpan, RequestTrace
 
 from .balancer import Balancer
 from .buckets import Classifier, Ticket
 from .deadline import Deadline
-from .http1 import Pool
+from .http1 import Pool, Response
 from .metrics import RouterMetrics
-from .replicas import ReplicaSet
+from .replicas import Replica, ReplicaSet
 from .wire import error_body, respond, sse_error
 
 log = logging.getLogger("slofleet.router")
@@ -41,6 +42,52 @@ PASS_HEADERS = (b"content-type", b"content-length", b"retry-after")
 RETRYABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 SERVING = (UNIFIED, DECODE)  # roles that run whole requests; a prefill replica only ever prefills
 HANDOFF_TIMING = re.compile(r"kv_handoff;dur=([0-9.]+)")  # a decode engine's Server-Timing entry, in ms
+
+
+@dataclass(slots=True, kw_only=True)
+class Opened:
+    """A replica that started answering: its response, read up to the first chunk."""
+    replica: Replica
+    resp: Response
+    first: bytes
+    span: LeanSpan  # the answering try's
+    waited: float  # s from sending the try to its first chunk
+
+
+@dataclass(slots=True, kw_only=True)
+class Failed:
+    """The answer for the client when no try opened: an error status and its JSON body."""
+    status: int
+    body: bytes
+
+
+@dataclass(slots=True, kw_only=True)
+class Cut:
+    """Why a started answer ended early: the metric's reason, and the SSE error event's status, message and type."""
+    reason: str
+    status: int
+    message: str
+    kind: str
+
+
+@dataclass(slots=True, kw_only=True)
+class Pick:
+    replica: Replica
+    prefill: Replica | None  # the prefill replica named in the hand-off header, for a long prompt
+
+
+@dataclass(slots=True, kw_only=True)
+class Tries:
+    """One request's tries so far."""
+    bucket: str
+    long_prompt: bool  # long enough to prefill on a prefill replica
+    hold_until: float  # monotonic s: the most to wait for a first ready replica
+    tried: set[str] = field(default_factory=set)
+    bad_prefill: set[str] = field(default_factory=set)
+    last: Failed | None = None  # the answer if every try fails
+    deadline: float | None = None  # monotonic s: the time-to-first-byte budget, from the first try
+    first_try: int | None = None  # ns
+    spent: bool = False  # the budget ran out: no further try
 
 
 class Upstream:
@@ -85,106 +132,124 @@ class Upstream:
             raise
 
     async def open(self, path: str, payload: bytes, headers: dict, key: int | None, ticket: Ticket, tokens: int,
-                   rt: RequestTrace):
-        """Open the request on some replica and read its first chunk, trying others on failure. Returns
-        (replica, response, first chunk, the try's span, its wait for the first chunk in s), or (None, status,
-        error body, None, 0) when every try failed. Each try is a CLIENT span whose context the engine continues."""
-        tried: set[str] = set()
-        bad_prefill: set[str] = set()
-        last: tuple[int, bytes] | None = None  # the answer if every try fails (made only then)
-        name = ticket.bucket.name
-        long_prompt = tokens >= self.cfg.prefill_threshold_tokens
-        hold_until, deadline, first_try = time.monotonic() + self.cfg.hold_timeout, None, None
+                   rt: RequestTrace) -> Opened | Failed:
+        """Open the request on some replica and read its first chunk, trying others on failure; or the answer to
+        send when every try failed. Each try is a CLIENT span whose context the engine continues."""
+        tries = Tries(bucket=ticket.bucket.name, long_prompt=tokens >= self.cfg.prefill_threshold_tokens,
+                      hold_until=time.monotonic() + self.cfg.hold_timeout)
         for attempt in range(self.cfg.max_attempts):
-            choose, held = rt.span("choose", attempt=attempt), 0
-            replica = self.balancer.choose(self.replicas.ready(SERVING), key, tried)
-            if replica is None and not tried and not self.replicas.ready(SERVING):
-                h0 = time.time_ns()
-                ready = await self.hold(name, hold_until)
-                held = time.time_ns() - h0
-                rt.span("hold", h0, h0 + held, parent=choose, ready=ready)
-                self.metrics.phase.labels(name, "hold").observe(held / 1e9)
-                if ready:
-                    replica = self.balancer.choose(self.replicas.ready(SERVING), key, tried)
-                else:
-                    last = (503, error_body(503, f"no ready replica of role {' or '.join(SERVING)} came up within "
-                                                 f"{self.cfg.hold_timeout:g} s; the fleet may be scaled to zero "
-                                                 "or failing", "unavailable"))
-            if replica is None:
-                choose.end()
+            pick = await self.pick(tries, key, attempt, rt)
+            if pick is None:
                 break
-            if attempt:
-                self.metrics.retries.labels(name).inc()
-            deadline = deadline or time.monotonic() + self.cfg.ttfb_timeout  # held time is not the replica's
-            tried.add(replica.url)
-            prefill = None
-            if long_prompt:
-                prefill = self.balancer.choose(self.replicas.ready((PREFILL,)), key, bad_prefill)
-            how = "least-load" if key is None and self.balancer.policy == "prefix" else self.balancer.policy
-            self.metrics.routed.labels(name, how).inc()
-            choose.note(how=how)
+            opened = await self.attempt(tries, pick, path, payload, headers, attempt, rt)
+            if opened is not None:
+                return opened
+            if tries.spent:
+                break
+        return tries.last or Failed(status=503, body=error_body(503, "no ready replica to serve this request",
+                                                                "unavailable"))
+
+    async def pick(self, tries: Tries, key: int | None, attempt: int, rt: RequestTrace) -> Pick | None:
+        """The replica for this try (holding for one while none is ready), and a prefill replica for a long
+        prompt; None when no replica is left to try."""
+        choose, held = rt.span("choose", attempt=attempt), 0
+        replica = self.balancer.choose(self.replicas.ready(SERVING), key, tries.tried)
+        if replica is None and not tries.tried and not self.replicas.ready(SERVING):
+            h0 = time.time_ns()
+            ready = await self.hold(tries.bucket, tries.hold_until)
+            held = time.time_ns() - h0
+            rt.span("hold", h0, h0 + held, parent=choose, ready=ready)
+            self.metrics.phase.labels(tries.bucket, "hold").observe(held / 1e9)
+            if ready:
+                replica = self.balancer.choose(self.replicas.ready(SERVING), key, tries.tried)
+            else:
+                tries.last = Failed(status=503, body=error_body(
+                    503, f"no ready replica of role {' or '.join(SERVING)} came up within {self.cfg.hold_timeout:g} "
+                    "s; the fleet may be scaled to zero or failing", "unavailable"))
+        if replica is None:
             choose.end()
-            self.metrics.phase.labels(name, "choose").observe((choose.end_time - choose.start_time - held) / 1e9)
-            span = rt.span("upstream", kind=CLIENT, attempt=attempt, replica=replica.url,
-                           prefill_replica=prefill.url if prefill else None)
-            first_try = first_try or span.start_time
-            replica.inflight += 1
-            send_headers = {**headers, **rt.headers(span)}
+            return None
+        if attempt:
+            self.metrics.retries.labels(tries.bucket).inc()
+        tries.deadline = tries.deadline or time.monotonic() + self.cfg.ttfb_timeout  # held time is not the replica's
+        tries.tried.add(replica.url)
+        prefill = None
+        if tries.long_prompt:
+            prefill = self.balancer.choose(self.replicas.ready((PREFILL,)), key, tries.bad_prefill)
+        how = "least-load" if key is None and self.balancer.policy == "prefix" else self.balancer.policy
+        self.metrics.routed.labels(tries.bucket, how).inc()
+        choose.note(how=how)
+        choose.end()
+        self.metrics.phase.labels(tries.bucket, "choose").observe((choose.end_time - choose.start_time - held) / 1e9)
+        return Pick(replica=replica, prefill=prefill)
+
+    async def attempt(self, tries: Tries, pick: Pick, path: str, payload: bytes, headers: dict, attempt: int,
+                      rt: RequestTrace) -> Opened | None:
+        """One try: the opened answer, or None with `tries` told why (and whether the budget is spent)."""
+        replica, prefill = pick.replica, pick.prefill
+        span = rt.span("upstream", kind=CLIENT, attempt=attempt, replica=replica.url,
+                       prefill_replica=prefill.url if prefill else None)
+        tries.first_try = tries.first_try or span.start_time
+        replica.inflight += 1
+        send_headers = {**headers, **rt.headers(span)}
+        if prefill is not None:
+            prefill.inflight += 1
+            send_headers[PREFILL_HEADER] = prefill.url
+        resp, outcome, opened = None, "cancelled", None
+        try:
+            async with Deadline(tries.deadline - time.monotonic()):
+                resp, first = await self.first_chunk(replica.url, path, payload, send_headers)
+            outcome = self.refusal(tries, pick, resp.status, first)
+            if outcome is None:
+                opened = self.opened(tries, pick, resp, first, span)
+                return opened
+        except asyncio.TimeoutError:  # busy, maybe not dead: it stays in rotation, the budget is spent
+            outcome, tries.spent = "timeout", True
+            tries.last = Failed(status=504, body=error_body(
+                504, f"no replica started answering within {self.cfg.ttfb_timeout:g} s (an answer that is not "
+                "streamed starts only once it is whole: stream long generations, or raise --upstream-ttfb-timeout)",
+                "gateway_timeout"))
+        except OSError as e:  # its connect timeout too (a ConnectionError): a dead replica, not a slow one
+            outcome = "failed"
+            self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
+            tries.last = Failed(status=502, body=error_body(
+                502, f"replica failed before answering: {type(e).__name__}", "bad_gateway"))
+        finally:
             if prefill is not None:
-                prefill.inflight += 1
-                send_headers[PREFILL_HEADER] = prefill.url
-            resp, outcome = None, "ok"
-            try:
-                async with Deadline(deadline - time.monotonic()):
-                    resp, first = await self.first_chunk(replica.url, path, payload, send_headers)
-                if resp.status >= 400 and prefill is not None and b"prefill engine" in first:
-                    # the prefill replica failed or is full, not the decode one: the same decode replica tries
-                    # again with another prefill replica, or prefills itself
-                    bad_prefill.add(prefill.url)
-                    tried.discard(replica.url)
-                    outcome = "prefill_failed"
-                    if resp.status == 502:
-                        self.replicas.mark_failed(prefill, "failed for a decode replica")
-                    raise LookupError
-                if resp.status in (429, 503):  # full or draining: another replica may take it
-                    last, outcome = (resp.status, first), f"refused_{resp.status}"
-                    if resp.status == 503:
-                        self.replicas.mark_failed(replica, "answered 503")
-                    raise LookupError
-                route = "disaggregated" if prefill is not None else "fallback" if long_prompt else "direct"
-                self.metrics.pd_routes.labels(name, route).inc()
-                self.observe_try(name, span, first_try, resp, prefill is not None)
-                span.note(route=route, status=resp.status)
-                return replica, resp, first, span, (time.time_ns() - span.start_time) / 1e9
-            except asyncio.TimeoutError:  # busy, maybe not dead: it stays in rotation, the budget is spent
-                outcome = "timeout"
-                last = (504, error_body(504, f"no replica started answering within {self.cfg.ttfb_timeout:g} s (an "
-                                        "answer that is not streamed starts only once it is whole: stream long "
-                                        "generations, or raise --upstream-ttfb-timeout)", "gateway_timeout"))
-                break
-            except OSError as e:  # its connect timeout too (a ConnectionError): a dead replica, not a slow one
-                outcome = "failed"
-                self.replicas.mark_failed(replica, f"{type(e).__name__}: {e}")
-                last = (502, error_body(502, f"replica failed before answering: {type(e).__name__}", "bad_gateway"))
-            except LookupError:
-                pass
-            except BaseException:
-                replica.inflight -= 1
+                prefill.inflight -= 1
+            if opened is None:  # every try but the answering one, a cancelled one included
+                span.note(outcome=outcome)
                 span.end()
+                replica.inflight -= 1
                 if resp is not None:
                     resp.close()
-                raise
-            finally:
-                if prefill is not None:
-                    prefill.inflight -= 1
-            span.note(outcome=outcome)
-            span.end()
-            replica.inflight -= 1
-            if resp is not None:
-                resp.close()
-        if last is None:
-            last = (503, error_body(503, "no ready replica to serve this request", "unavailable"))
-        return None, last[0], last[1], None, 0.0
+        return None
+
+    def refusal(self, tries: Tries, pick: Pick, status: int, first: bytes) -> str | None:
+        """Why an answer with this status is one to try elsewhere, or None to relay it."""
+        if status >= 400 and pick.prefill is not None and b"prefill engine" in first:
+            # the prefill replica failed or is full, not the decode one: the same decode replica tries again
+            # with another prefill replica, or prefills itself
+            tries.bad_prefill.add(pick.prefill.url)
+            tries.tried.discard(pick.replica.url)
+            if status == 502:
+                self.replicas.mark_failed(pick.prefill, "failed for a decode replica")
+            return "prefill_failed"
+        if status in (429, 503):  # full or draining: another replica may take it
+            tries.last = Failed(status=status, body=first)
+            if status == 503:
+                self.replicas.mark_failed(pick.replica, "answered 503")
+            return f"refused_{status}"
+        return None
+
+    def opened(self, tries: Tries, pick: Pick, resp: Response, first: bytes, span: LeanSpan) -> Opened:
+        disaggregated = pick.prefill is not None
+        route = "disaggregated" if disaggregated else "fallback" if tries.long_prompt else "direct"
+        self.metrics.pd_routes.labels(tries.bucket, route).inc()
+        self.observe_try(tries.bucket, span, tries.first_try, resp, disaggregated)
+        span.note(route=route, status=resp.status)
+        return Opened(replica=pick.replica, resp=resp, first=first, span=span,
+                      waited=(time.time_ns() - span.start_time) / 1e9)
 
     def observe_try(self, bucket: str, span, first_try: int, resp, disaggregated: bool) -> None:
         """The answering try's phases: the tries lost before it, and the decode engine's KV hand-off."""
@@ -201,13 +266,11 @@ class Upstream:
         """Relay the answer (its first chunk by `send`, the rest straight into `sink`, the front's Exchange); the
         status sent."""
         name = ticket.bucket.name
-        replica, resp, first, span, waited = await self.open(path, payload, headers, key, ticket, tokens, rt)
+        opened = await self.open(path, payload, headers, key, ticket, tokens, rt)
         self.classifier.release(ticket)  # no longer waiting: the engine has started on it
-        if replica is None:
-            self.metrics.requests.labels(name, str(resp)).inc()
-            self.metrics.rejected.labels(name, "timeout" if resp == 504 else "no_replica").inc()
-            await respond(send, resp, first, headers=[(b"retry-after", b"1")] if resp in (429, 503) else [])
-            return resp
+        if isinstance(opened, Failed):
+            return await self.refuse(send, name, opened)
+        replica, resp, first, span, waited = opened.replica, opened.resp, opened.first, opened.span, opened.waited
         self.metrics.phase.labels(name, "upstream").observe(waited)
         done, last, cut, chunks, t_first = False, first, None, 1, None
         try:
@@ -227,34 +290,43 @@ class Upstream:
             await send({"type": "http.response.body", "body": b""})
             done = True
         except asyncio.TimeoutError:  # the idle timer (resp.watch): the replica went quiet (it stays in rotation)
-            cut = ("idle_timeout", 504, f"the replica sent nothing for {self.cfg.idle_timeout:g} s", "gateway_timeout")
+            cut = Cut(reason="idle_timeout", status=504, message=f"the replica sent nothing for "
+                      f"{self.cfg.idle_timeout:g} s", kind="gateway_timeout")
         except RETRYABLE as e:  # after the first byte nothing can be retried: end the response
             self.replicas.mark_failed(replica, str(e))
-            cut = ("replica_failed", 502, f"the replica failed mid-response: {type(e).__name__}", "bad_gateway")
+            cut = Cut(reason="replica_failed", status=502, message=f"the replica failed mid-response: "
+                      f"{type(e).__name__}", kind="bad_gateway")
         except asyncio.CancelledError:  # the client left, or the shutdown's grace period ran out
             if self.draining:
-                cut = ("shutdown", 503, "the router is shutting down; retry the request", "unavailable")
+                cut = Cut(reason="shutdown", status=503, message="the router is shutting down; retry the request",
+                          kind="unavailable")
             raise
         finally:
             replica.inflight -= 1
-            relayed, tail = resp.progress()
-            chunks, last = chunks + relayed, tail or last
+            got = resp.progress()
+            chunks, last = chunks + got.chunks, got.tail or last
             resp.release() if done else resp.close()
             if cut is not None:
-                await self.end_cut_stream(send, resp, name, last, replica.url, *cut)
+                await self.end_cut_stream(send, resp, name, last, replica.url, cut)
             if t_first is not None:
                 end = time.time_ns()
-                rt.span("stream", t_first, end, chunks=chunks, cut=cut and cut[0])
+                rt.span("stream", t_first, end, chunks=chunks, cut=cut and cut.reason)
                 self.metrics.phase.labels(name, "stream").observe((end - t_first) / 1e9)
             span.end()
         return resp.status
 
-    async def end_cut_stream(self, send, resp, bucket: str, last: bytes, url: str, reason: str, status: int,
-                             message: str, kind: str) -> None:
-        log.warning("stream from replica %s cut: %s", url, message)
-        self.metrics.cut.labels(bucket, reason).inc()
+    async def refuse(self, send, bucket: str, failed: Failed) -> int:
+        self.metrics.requests.labels(bucket, str(failed.status)).inc()
+        self.metrics.rejected.labels(bucket, "timeout" if failed.status == 504 else "no_replica").inc()
+        retry = [(b"retry-after", b"1")] if failed.status in (429, 503) else []
+        await respond(send, failed.status, failed.body, headers=retry)
+        return failed.status
+
+    async def end_cut_stream(self, send, resp, bucket: str, last: bytes, url: str, cut: Cut) -> None:
+        log.warning("stream from replica %s cut: %s", url, cut.message)
+        self.metrics.cut.labels(bucket, cut.reason).inc()
         if resp.content_type != "text/event-stream":
             return  # a JSON answer short of its content-length: the client sees the connection close early
         sep = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a half-sent event first
         with contextlib.suppress(Exception):  # the client may be gone
-            await send({"type": "http.response.body", "body": sep + sse_error(status, message, kind)})
+            await send({"type": "http.response.body", "body": sep + sse_error(cut.status, cut.message, cut.kind)})

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from slofleet.api import contract
+
+
+@dataclass(slots=True, kw_only=True)
+class Prompt:
+    text: str  # flattened: chat messages joined, token ids as their decimal text
+    ids: int | None  # the token count when the prompt is already token ids
 
 
 class RoutedBody(BaseModel):
@@ -20,7 +27,7 @@ class RoutedBody(BaseModel):
     max_tokens: int | None = Field(None, ge=1, strict=True)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
 
-    def text_and_ids(self) -> tuple[str, int | None]:
+    def flat_prompt(self) -> Prompt:
         """The flattened prompt text, and its token count when the prompt is already token ids."""
         if self.messages is not None:
             parts = []
@@ -29,13 +36,13 @@ class RoutedBody(BaseModel):
                 if isinstance(c, list):
                     c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
                 parts.append(f"{m.get('role', '')}\n{c or ''}\n")
-            return "".join(parts), None
+            return Prompt(text="".join(parts), ids=None)
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             p = p[0]
         if isinstance(p, list):
-            return ",".join(map(str, p)), len(p)
-        return p or "", None
+            return Prompt(text=",".join(map(str, p)), ids=len(p))
+        return Prompt(text=p or "", ids=None)
 
     def output_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

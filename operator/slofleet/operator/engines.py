@@ -11,11 +11,6 @@ log = logging.getLogger("slofleet.operator.engines")
 TIMEOUT = 2.0
 
 
-def url_of(pod: dict, port: int) -> str | None:
-    ip = (pod.get("status") or {}).get("podIP")
-    return f"http://{ip}:{port}" if ip else None
-
-
 def in_flight(base: str | None, runtime: str = SLOFLEET) -> float | None:
     """Requests running or waiting on the engine, under its runtime's metric names; None when it cannot be read
     (not up, or not reachable from here: the operator run outside the cluster)."""

@@ -9,7 +9,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from slofleet.api.contract import ROLE_LABEL, ROUTER, now, parse_time
+from slofleet.api.contract import ROLE_LABEL, ROUTER, now, parse_time, pod_url
 from slofleet.api.v1alpha1 import Bucket, LLMService, SLOPolicy
 from slofleet.operator import children, drain, engines, gateway, podspec, router, status, trust
 from slofleet.operator.kube import Kube
@@ -100,7 +100,7 @@ def scale_down_losslessly(kube: Kube, svc: LLMService, wanted: list[dict], exist
         before = existing.get(("Deployment", d["metadata"]["name"]))
         current, want = (before or {}).get("spec", {}).get("replicas"), d["spec"]["replicas"]
         live = [p for p in pods.get(role, []) if not p["metadata"].get("deletionTimestamp")]
-        urls = {p["metadata"]["name"]: engines.url_of(p, svc.spec.engine.port) for p in live}
+        urls = {p["metadata"]["name"]: pod_url(p, svc.spec.engine.port) for p in live}
         load = ({n: engines.in_flight(u, svc.spec.engine.runtime) for n, u in urls.items()}
                 if drain.scaling_down(current, want) else {})
         age = {p["metadata"]["name"]: time.time() - parse_time(since)

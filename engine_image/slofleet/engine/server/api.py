@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from slofleet.api.contract import BUCKET_HEADER, KV_MAC_HEADER, PREFILL_HEADER, TPOT_HEADER
+from slofleet.api.contract import BUCKET_HEADER, COMPLETIONS_MAX_TOKENS, KV_MAC_HEADER, PREFILL_HEADER, TPOT_HEADER
 from slofleet.tracing.core import Tracing
 
 from ..config import EngineConfig
@@ -30,7 +30,7 @@ from ..kv_transfer import KVPayload
 from ..request import FinishReason
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
-from .collector import DEFAULT_BUCKET, BucketLabels
+from .collector import DEFAULT_BUCKET, BucketLabels  # the contract's, as the engine labels it
 from .handoff import fetch_kv, is_loopback, mac, peer_base
 from .http import ApiError, from_engine, parse, read_body, seconds_of_ms, unavailable
 from .kv_events import KVEventPublisher
@@ -223,7 +223,7 @@ async def respond(request: Request, stream: bool, chunks, full) -> Response:
 async def completions(request: Request) -> Response:
     body: CompletionRequest = await body_of(request, CompletionRequest)
     engine, req, outs = await start(request, body, lambda _: body.single_prompt(), lambda: body.sampling_params(
-        16 if body.max_tokens is None else body.max_tokens, body.logprobs))
+        COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens, body.logprobs))
     chunks, full = completion_handlers(engine, body, req, request.state.request_id, outs)
     return await respond(request, body.stream, chunks, full)
 

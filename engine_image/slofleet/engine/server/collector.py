@@ -7,9 +7,11 @@ import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from slofleet.api.contract import DEFAULT_BUCKET
+
 from ..engine import LLMEngine
 
-DEFAULT_BUCKET, OTHER_BUCKET = "default", "other"
+OTHER_BUCKET = "other"
 MAX_SEEN_BUCKETS = 32
 BUCKET_NAME = re.compile(r"[a-z0-9-]{1,63}")
 

@@ -5,6 +5,8 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 
+from slofleet.api.contract import error_body
+
 from ..engine import LLMEngine, RequestOutput
 from ..request import Request
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -51,7 +53,7 @@ def chat_logprobs(engine: LLMEngine, outs: list[RequestOutput], top_n: int) -> d
 
 
 def _error_event(message: str) -> str:
-    return sse({"error": {"message": message, "type": "server_error", "code": 500}})
+    return sse(error_body(message, "server_error", code=500))
 
 
 async def sse_stream(results: AsyncIterator[RequestOutput], base: dict,
