@@ -181,6 +181,10 @@ def dashboard() -> dict:
         "description": "The observability loop per bucket: request shape, queue, prefill, decode, KV, tail, quality "
                        "and cost. Which clock is slow, in which bucket, and which phase holds the time.",
         "schemaVersion": 39, "editable": True, "time": {"from": "now-1h", "to": "now"}, "refresh": "30s",
+        # Grafana's schema requires the list, and Grafana adds its built-in annotations to a dashboard without it
+        "annotations": {"list": [{"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                                  "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
+                                  "name": "Annotations & Alerts", "type": "dashboard"}]},
         "templating": {"list": [
             {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source"},
             variable("namespace", "label_values(vllm:num_requests_running, namespace)"),
