@@ -28,6 +28,10 @@ PHASES = {  # the phase label's values
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
+REJECT_REASONS = ("auth", "quota", "size", "invalid", "slow_client", "shed", "draining", "no_replica", "timeout")
+CUT_REASONS = ("replica_failed", "idle_timeout", "shutdown")
+PD_ROUTES = ("direct", "disaggregated", "fallback")
+
 class Value:
     __slots__ = ("value",)
 
@@ -86,8 +90,7 @@ class RouterMetrics:
         self.requests = Family(counter, "slofleet:router_requests", "Requests answered, by bucket and HTTP status.",
                                ["bucket", "code"])
         self.rejected = Family(counter, "slofleet:router_rejected", "Requests refused by the router, by bucket and "
-                               "reason (auth, quota, size, invalid, slow_client, shed, draining, no_replica, timeout).",
-                               ["bucket", "reason"])
+                               f"reason ({', '.join(REJECT_REASONS)}).", ["bucket", "reason"])
         self.inflight = Family(gauge, "slofleet:router_inflight_requests", "Requests open through the router.",
                                ["bucket"])
         self.retries = Family(counter, "slofleet:router_retries", "Requests retried on another replica before their "
@@ -101,7 +104,7 @@ class RouterMetrics:
                                 "serving replica), fallback (a long prompt while no prefill replica was ready).",
                                 ["bucket", "route"])
         self.cut = Family(counter, "slofleet:router_streams_cut", "Responses cut after their first byte, by reason "
-                          "(replica_failed, idle_timeout, shutdown).", ["bucket", "reason"])
+                          f"({', '.join(CUT_REASONS)}).", ["bucket", "reason"])
         self.phase = Family(histogram, "slofleet:router_phase_seconds", "Time a request spends in each router "
                             "phase: " + "; ".join(f"{k}: {v}" for k, v in PHASES.items()) + ".", ["bucket", "phase"],
                             PHASE_BUCKETS)
@@ -116,6 +119,22 @@ class RouterMetrics:
                                   "policy's prefix index.", registry=r)
         self.index_bytes = Gauge("slofleet:router_prefix_index_bytes", "Memory the precise policy's prefix index "
                                  "holds (entries times their measured size).", registry=r)
+
+    def zero(self, bucket: str, routes: tuple[str, ...] = ()) -> None:
+        """Export a bucket's series at 0 before its first event: Prometheus's rate() sees no increase in a series
+        that first appears with its first event, so a bucket's first refusal, retry or cut would never show; and
+        the autoscaler reads the held gauge from the start."""
+        self.held.labels(bucket)
+        self.retries.labels(bucket)
+        self.ttfb.labels(bucket)
+        for how in routes:
+            self.routed.labels(bucket, how)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(bucket, reason)
+        for reason in CUT_REASONS:
+            self.cut.labels(bucket, reason)
+        for route in PD_ROUTES:
+            self.pd_routes.labels(bucket, route)
 
     def collect(self):
         """The per-request families, for the registry's scrape."""

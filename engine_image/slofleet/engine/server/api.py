@@ -76,7 +76,7 @@ class State:
                                       SamplingParams(max_tokens=2, ignore_eos=True))
             while not warm.finished:
                 engine.step()
-            self.engine, self.metrics = engine, Metrics(engine, self.settings.price_per_hour)
+            self.engine, self.metrics = engine, Metrics(engine, self.settings.price_per_hour, self.buckets.known)
             self.async_engine = AsyncEngine(engine, self.metrics.observe, on_fatal=self.exit_soon,
                                             on_step=self.metrics.observe_step)
             self.async_engine.start(loop)

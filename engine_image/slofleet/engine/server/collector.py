@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -36,8 +37,9 @@ class BucketLabels:
 class EngineCollector:
     """Gauges and cumulative counters that live in the engine's own state, read at scrape time."""
 
-    def __init__(self, engine: LLMEngine, price_per_hour: float = 0.0):
+    def __init__(self, engine: LLMEngine, price_per_hour: float = 0.0, buckets: Iterable[str] = ()):
         self.engine, self.price_per_hour = engine, price_per_hour
+        self.buckets = tuple(buckets)  # exported at 0 before their first event (Metrics.zero says why)
         self.started = time.monotonic()
 
     def collect(self):
@@ -73,7 +75,8 @@ class EngineCollector:
         yield counter("slofleet:admission_refusals", "Requests refused by the engine's admission limits.",
                       st.admission_refusals)
         yield family(CounterMetricFamily, "slofleet:preemptions_by_bucket", "Preemptions per bucket.",
-                     {(b,): n for b, n in st.preemptions_by_bucket.items()}, ("bucket",))
+                     {(b,): n for b, n in {**dict.fromkeys(self.buckets, 0), **st.preemptions_by_bucket}.items()},
+                     ("bucket",))
         for metric, doc, values in (
                 ("slofleet:spec_draft_tokens", "Speculative draft tokens verified, per bucket.", st.spec.drafted),
                 ("slofleet:spec_accepted_tokens", "Speculative draft tokens accepted, per bucket (over draft tokens: "

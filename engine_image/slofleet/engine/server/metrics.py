@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ..engine import LLMEngine, RequestOutput
-from ..request import Event
+from ..request import Event, FinishReason
 from ..stats import StepRecord
 from .collector import EngineCollector
 
@@ -28,10 +29,10 @@ PRIORITY_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100)
 
 
 class Metrics:
-    def __init__(self, engine: LLMEngine, price_per_hour: float = 0.0):
+    def __init__(self, engine: LLMEngine, price_per_hour: float = 0.0, buckets: Iterable[str] = ()):
         self.model, self.price_per_second = engine.model_name, price_per_hour / 3600
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, price_per_hour))
+        self.registry.register(EngineCollector(engine, price_per_hour, buckets))
         lb = ["model_name", "bucket"]
 
         def hist(name: str, doc: str, buckets=LATENCY_BUCKETS, labels=lb) -> Histogram:
@@ -87,8 +88,29 @@ class Metrics:
         self.cost = counter("slofleet:request_cost", "Cost attributed to requests at --price-per-hour (their share "
                             "of step time).")
         self.last_token_at: dict[str, float] = {}
+        self.zeroed: set[str] = set()
+        for bucket in buckets:
+            self.zero(bucket)
+
+    def zero(self, bucket: str) -> None:
+        """Export a bucket's counters and histograms at 0 before its first event: Prometheus's rate() sees no
+        increase in a series that first appears with its first event, so a bucket's first refusal or abort would
+        never show."""
+        if bucket in self.zeroed:
+            return
+        self.zeroed.add(bucket)
+        for c in (self.prompt_tokens, self.generation_tokens, self.refusals, self.computed, self.prefix_queries,
+                  self.prefix_hits, self.preempted, self.busy, self.cost, self.ttft, self.itl, self.tpot, self.e2e,
+                  self.queue, self.prefill, self.decode, self.prompt_len, self.output_len, self.max_len,
+                  self.priority):
+            c.labels(self.model, bucket)
+        for mode in ("greedy", "sampled"):
+            self.sampling.labels(self.model, bucket, mode)
+        for reason in FinishReason:
+            self.success.labels(self.model, bucket, str(reason))
 
     def refused(self, bucket: str) -> None:
+        self.zero(bucket)
         self.refusals.labels(self.model, bucket).inc()
 
     def observe_step(self, step: StepRecord) -> None:
@@ -100,6 +122,7 @@ class Metrics:
     def observe(self, out: RequestOutput) -> None:
         """Called in the engine thread for every output delta."""
         req, labels = out.request, (self.model, out.request.bucket)
+        self.zero(req.bucket)
         now = time.monotonic()
         if out.new_token_ids:
             self.generation_tokens.labels(*labels).inc(len(out.new_token_ids))
