@@ -26,19 +26,19 @@ TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3
 LENGTH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PRIORITY_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100)
+LABELS = ("model_name", "bucket")
 
 
 class Metrics:
     def __init__(self, engine: LLMEngine, price_per_hour: float = 0.0, buckets: Iterable[str] = ()):
-        self.model, self.price_per_second = engine.model_name, price_per_hour / 3600
+        self.model, self.price_per_second, known = engine.model_name, price_per_hour / 3600, tuple(buckets)
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, price_per_hour, buckets))
-        lb = ["model_name", "bucket"]
+        self.registry.register(EngineCollector(engine, price_per_hour, known))
 
-        def hist(name: str, doc: str, buckets=LATENCY_BUCKETS, labels=lb) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+        def hist(name: str, doc: str, bounds=LATENCY_BUCKETS, labels=LABELS) -> Histogram:
+            return Histogram(name, doc, labels, buckets=bounds, registry=self.registry)
 
-        def counter(name: str, doc: str, labels=lb) -> Counter:
+        def counter(name: str, doc: str, labels=LABELS) -> Counter:
             return Counter(name, doc, labels, registry=self.registry)
 
         # tail: the three clocks, and the phases they are made of
@@ -71,7 +71,7 @@ class Metrics:
         self.prefix_hits = counter("slofleet:prefix_cache_hits_by_bucket", "Prompt tokens found in the prefix cache.")
         # decode
         self.sampling = counter("slofleet:requests_by_sampling", "Finished requests by sampling mode.",
-                                [*lb, "sampling"])
+                                [*LABELS, "sampling"])
         self.step_tokens = hist("vllm:iteration_tokens_total", "Tokens per engine step.", LENGTH_BUCKETS,
                                 ["model_name"])
         self.step_generated = hist("slofleet:iteration_generation_tokens", "Tokens generated per engine step "
@@ -81,15 +81,14 @@ class Metrics:
         # KV
         self.preempted = counter("slofleet:request_preemptions", "Preemptions of finished requests.")
         # quality
-        self.success = counter("vllm:request_success", "Finished requests by reason.", [*lb, "finished_reason"])
+        self.success = counter("vllm:request_success", "Finished requests by reason.", [*LABELS, "finished_reason"])
         # cost
         self.busy = counter("slofleet:request_engine_seconds", "Engine step time attributed to requests (each step "
                             "split over the requests in it).")
         self.cost = counter("slofleet:request_cost", "Cost attributed to requests at --price-per-hour (their share "
                             "of step time).")
-        self.last_token_at: dict[str, float] = {}
-        self.zeroed: set[str] = set()
-        for bucket in buckets:
+        self.last_token_at, self.zeroed = {}, set()  # request id -> its last token's time; buckets exported at 0
+        for bucket in known:
             self.zero(bucket)
 
     def zero(self, bucket: str) -> None:
