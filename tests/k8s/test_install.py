@@ -20,7 +20,7 @@ def test_helm_lint_and_template_are_clean(cluster):
     # ClusterRoles: the operator's, the routers', the autoscaler's; the ConfigMap: the Grafana dashboard
     assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
                      "ConfigMap", "CustomResourceDefinition", "CustomResourceDefinition", "Deployment", "Deployment",
-                     "Service", "ServiceAccount", "ServiceAccount"]
+                     "NetworkPolicy", "NetworkPolicy", "Service", "ServiceAccount", "ServiceAccount"]
     deployments = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
                    for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"}
     assert "--router-cluster-role=slofleet-router" in deployments["slofleet-operator"]["args"]

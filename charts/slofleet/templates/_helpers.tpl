@@ -40,3 +40,32 @@ app.kubernetes.io/part-of: slofleet
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
 {{- end -}}
+
+{{- /* An exec probe that passes when a TCP connection to the API server (the pod's KUBERNETES_SERVICE_* address)
+opens within 3 s. manifests/autoscaler.yaml carries the same command. */ -}}
+{{- define "slofleet.apiServerProbe" -}}
+[python, -c, "import os, socket; socket.create_connection((os.environ['KUBERNETES_SERVICE_HOST'], int(os.environ['KUBERNETES_SERVICE_PORT'])), 3).close()"]
+{{- end -}}
+
+{{- /* Egress that both control-plane Deployments need: the API server, DNS, and every LLMService's pods (any
+namespace; each service picks its own ports, so none is named). */ -}}
+{{- define "slofleet.controlEgress" -}}
+{{- $np := .Values.networkPolicy -}}
+- ports:
+  {{- range $np.apiServerPorts }}
+    - {protocol: TCP, port: {{ . }}}
+  {{- end }}
+  {{- with $np.apiServerCidrs }}
+  to:
+    {{- range . }}
+    - ipBlock: {cidr: {{ . }}}
+    {{- end }}
+  {{- end }}
+- ports:
+    - {protocol: UDP, port: 53}
+    - {protocol: TCP, port: 53}
+- to:
+    - namespaceSelector: {}
+      podSelector:
+        matchExpressions: [{key: slofleet.dev/service, operator: Exists}]
+{{- end -}}
