@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # `make chart-lint`: helm lint --strict, then kubeconform (strict, offline) on the rendered chart and on manifests/.
 # kubeconform is built from its Go module and the built-in kinds' schemas are generated from the OpenAPI v3 of the
-# k8s.io/kubernetes module the local cluster is built from (tests/cluster/go.mod), both cached outside the repo
-# keyed by version; the CRDs' schemas come from crds/ on every run. A warm run costs a few seconds.
+# k8s.io/kubernetes module the local cluster is built from (tests/cluster/go.mod), with the PrometheusRule's from
+# the Prometheus operator module's CRD, all cached outside the repo keyed by version; the CRDs' schemas come from
+# crds/ on every run. A warm run costs a few seconds.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 python="${PYTHON:-$repo/.venv/bin/python}"
 kubeconform_version=v0.8.0
+prometheus_operator_version=v0.85.0
 cache="${SLOFLEET_TOOLS_CACHE:-$HOME/.cache/slofleet/tools}"
 chart="$repo/charts/slofleet"
+mkdir -p "$cache"
 
 helm="$("$repo/tests/cluster/build.sh")/helm"
 kubeconform="$cache/kubeconform-$kubeconform_version/kubeconform"
@@ -19,11 +22,13 @@ if [[ ! -x $kubeconform ]]; then
 fi
 k8s="$(awk '$1 == "k8s.io/kubernetes" {print $2}' "$repo/tests/cluster/go.mod")"
 key="$(sha256sum "$repo/tools/kube_schemas.py" | cut -c1-12)"
-builtin="$cache/kube-schemas-$k8s-$key"
+builtin="$cache/kube-schemas-$k8s-$prometheus_operator_version-$key"
+module_dir() { go mod download -json "$1" | "$python" -c 'import json, sys; print(json.load(sys.stdin)["Dir"])'; }
 if [[ ! -d $builtin ]]; then
-  module="$(cd "$repo/tests/cluster" && go mod download -json k8s.io/kubernetes | "$python" -c \
-    'import json, sys; print(json.load(sys.stdin)["Dir"])')"
-  "$python" "$repo/tools/kube_schemas.py" --openapi "$module/api/openapi-spec/v3" --out "$builtin.tmp"
+  kubernetes="$(cd "$repo/tests/cluster" && module_dir k8s.io/kubernetes)"
+  prometheus="$(cd "$cache" && module_dir "github.com/prometheus-operator/prometheus-operator@$prometheus_operator_version")"
+  "$python" "$repo/tools/kube_schemas.py" --openapi "$kubernetes/api/openapi-spec/v3" --out "$builtin.tmp" \
+    --crd "$prometheus/example/prometheus-operator-crd/monitoring.coreos.com_prometheusrules.yaml"
   rm -rf "$builtin" && mv "$builtin.tmp" "$builtin"
 fi
 work="$(mktemp -d)"
@@ -42,8 +47,8 @@ for v in "${variants[@]}"; do
   "$helm" template slofleet "$chart" --namespace slofleet-system --include-crds $v >>"$work/chart.yaml"
   echo "---" >>"$work/chart.yaml"
 done
-# No schema offline for the Prometheus operator's kind (promtool checks its rules) nor kustomize's own file.
-kc=("$kubeconform" -strict -summary -skip PrometheusRule,Kustomization
+# kustomize's own file is no Kubernetes object.
+kc=("$kubeconform" -strict -summary -skip Kustomization
     -schema-location "$builtin/{{ .ResourceKind }}{{ .KindSuffix }}.json"
     -schema-location "$work/crds/{{ .ResourceKind }}{{ .KindSuffix }}.json")
 "${kc[@]}" "$work/chart.yaml"
