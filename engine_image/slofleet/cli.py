@@ -12,6 +12,8 @@ COMMANDS = {
     "operator": ("slofleet.operator.cli", "run the kopf operator that reconciles LLMService resources"),
     "autoscaler": ("slofleet.autoscaler.cli", "run the SLO-driven autoscaler"),
     "simulate": ("slofleet.autoscaler.simulate_cli", "replay traces through the fleet simulator"),
+    "export-hf": ("slofleet.engine.export", "write the embedded (or a given) model as a Hugging Face directory "
+                  "that vLLM and transformers load"),
     "router": ("slofleet.router.cli", "run the bucket/priority-aware router in front of engines"),
     "bench": ("slofleet.bench.cli", "replay a trace or a synthetic mix against an OpenAI-compatible URL, open-loop; "
               "per-bucket latency percentiles, attainment and goodput"),
