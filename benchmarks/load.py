@@ -109,9 +109,9 @@ def main() -> int:
     ap.add_argument("--llamacpp", action="store_true", help="also run llama-server from the runtimes cache")
     ap.add_argument("--vllm-args", default="", help="extra flags for vllm serve")
     ap.add_argument("--llamacpp-args", default="", help="extra flags for llama-server")
-    ap.add_argument("--max-num-seqs", type=int, default=runtimes.Shape.max_num_seqs,
+    ap.add_argument("--max-num-seqs", type=int, default=runtimes.Shape().max_num_seqs,
                     help="concurrent sequences, the same for every runtime")
-    ap.add_argument("--max-model-len", type=int, default=runtimes.Shape.max_model_len,
+    ap.add_argument("--max-model-len", type=int, default=runtimes.Shape().max_model_len,
                     help="context per sequence, the same for every runtime")
     ap.add_argument("--port", type=int, default=8100, help="slofleet's port; the others take the next ones")
     ap.add_argument("--slofleet-args", default="", help="flags for slofleet serve (default: none)")
