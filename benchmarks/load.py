@@ -1,9 +1,13 @@
 """Load test: Poisson arrivals of issue #14's mix (slofleet.bench.loadgen.MIX: 60% short chats with 24 output
 tokens, 25% ~500-token documents sharing a 120-word head with 8, 15% long outputs of 64), sustained at each rate;
 per-bucket TTFT/TPOT P50/P95 and the share of requests within their SLOs, for slofleet and (optionally)
-transformers serve, side by side in one run.
+transformers serve, vLLM's CPU build and llama.cpp's llama-server, side by side in one run.
 
-    .venv/bin/python benchmarks/load.py [--rates 4] [--requests 240] [--transformers-serve]
+    .venv/bin/python benchmarks/load.py [--rates 4] [--requests 240] [--transformers-serve] [--vllm] [--llamacpp]
+
+--vllm and --llamacpp start the peers that `make install-runtimes` cached (slofleet.bench.runtimes): vLLM on
+`slofleet export-hf`'s directory of the embedded model, llama-server on the embedded GGUF itself, each with the
+same sequence limit and context as slofleet serve's (--max-num-seqs, --max-model-len).
 
 Requests are as a plain OpenAI client sends them: streaming /v1/completions with stream_options.include_usage, no
 bucket header, priority or ignore_eos (the bucket only labels the result). Starts its own servers on loopback
@@ -17,31 +21,25 @@ import asyncio
 import os
 import random
 import shlex
-import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 
+from slofleet.bench import runtimes
 from slofleet.bench.loadgen import MIX, Bucket, Result, percentile, stream_one
+from slofleet.engine import loader
 
 
-def start(cmd: list[str], url: str, log: Path, ready_path: str) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited: see {log}")
-        try:
-            if httpx.get(url + ready_path, timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"{cmd} not ready; see {log}")
+def exported_model(dtype: str) -> Path:
+    """The embedded model as an HF directory for vLLM, exported once per dtype into slofleet's cache."""
+    from slofleet.engine.export import export_hf
+
+    out = loader.cache_root() / "export-hf" / f"{loader.model_name('default')}-{dtype}"
+    if not (out / "model.safetensors").exists():
+        export_hf("default", out, dtype=dtype, force=True)
+    return out
 
 
 async def run_rate(url: str, model: str, rate: float, requests: int, seed: int, give_up: float) -> list[Result]:
@@ -107,34 +105,52 @@ def main() -> int:
     ap.add_argument("--give-up", type=float, default=120, help="seconds after the last arrival to cancel the rest")
     ap.add_argument("--transformers-serve", action="store_true",
                     help="also run transformers serve --continuous-batching")
-    ap.add_argument("--port", type=int, default=8100)
+    ap.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build from the runtimes cache")
+    ap.add_argument("--llamacpp", action="store_true", help="also run llama-server from the runtimes cache")
+    ap.add_argument("--vllm-args", default="", help="extra flags for vllm serve")
+    ap.add_argument("--llamacpp-args", default="", help="extra flags for llama-server")
+    ap.add_argument("--max-num-seqs", type=int, default=runtimes.Shape().max_num_seqs,
+                    help="concurrent sequences, the same for every runtime")
+    ap.add_argument("--max-model-len", type=int, default=runtimes.Shape().max_model_len,
+                    help="context per sequence, the same for every runtime")
+    ap.add_argument("--port", type=int, default=8100, help="slofleet's port; the others take the next ones")
     ap.add_argument("--slofleet-args", default="", help="flags for slofleet serve (default: none)")
     args = ap.parse_args()
-    from slofleet.engine import loader
+    for name in ("vllm", "llamacpp"):
+        if getattr(args, name) and runtimes.find(name) is None:
+            ap.error(runtimes.missing_reason(name))
     path = loader.resolve("default")
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
-    systems = [("slofleet", [sys.executable, "-m", "slofleet.cli", "serve", "--port", str(args.port),
-                             *shlex.split(args.slofleet_args)], f"http://127.0.0.1:{args.port}", "/ready",
-                "SmolLM2-135M-Instruct")]
+    shape = runtimes.Shape(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    systems = [runtimes.Launch(runtime="slofleet", cmd=[
+        sys.executable, "-m", "slofleet.cli", "serve", "--port", str(args.port), "--max-num-seqs",
+        str(shape.max_num_seqs), "--max-model-len", str(shape.max_model_len), *shlex.split(args.slofleet_args)],
+        url=f"http://127.0.0.1:{args.port}", ready_path="/ready", model=shape.served_name)]
     if args.transformers_serve:
         cli = str(Path(sys.executable).with_name("transformers"))
-        systems.append(("transformers serve", [cli, "serve", "--continuous-batching", "--port", str(args.port + 1),
-                                               str(path)], f"http://127.0.0.1:{args.port + 1}", "/health", str(path)))
+        systems.append(runtimes.Launch(runtime="transformers serve", cmd=[
+            cli, "serve", "--continuous-batching", "--port", str(args.port + 1), str(path)],
+            url=f"http://127.0.0.1:{args.port + 1}", ready_path="/health", model=str(path)))
+    if args.vllm:
+        hf = exported_model(shape.dtype)
+        systems.append(runtimes.vllm(args.port + 2, hf, shape, shlex.split(args.vllm_args)))
+    if args.llamacpp:
+        systems.append(runtimes.llamacpp(args.port + 3, loader.embedded_gguf(), shape,
+                                         shlex.split(args.llamacpp_args)))
     print("SLOs: " + ", ".join(f"{b.name} TTFT<={b.ttft_slo}s TPOT<={b.tpot_slo * 1000:.0f}ms ({b.share:.0%})"
                                 for b in MIX))
     print(f"{'system':18s} {'rate':>5s} {'bucket':12s} {'n':>4s} {'TTFT50':>8s} {'TTFT95':>8s} {'TPOT50ms':>8s} "
           f"{'TPOT95ms':>8s} {'SLO':>7s} {'outtok':>6s}")
-    for name, cmd, url, ready, model in systems:
-        proc = start(cmd, url, logs / f"load-{name.replace(' ', '_')}.log", ready)
+    for s in systems:
+        proc = runtimes.start(s, logs / f"load-{s.runtime.replace(' ', '_')}.log")
         try:
-            asyncio.run(warm_up(url, model))
+            asyncio.run(warm_up(s.url, s.model))
             # a seed per rate: the same server would otherwise answer a later rate's prompts from its prefix cache
             for seed, rate in enumerate(args.rates):
-                results = asyncio.run(run_rate(url, model, rate, args.requests, seed, args.give_up))
-                report(name, rate, results)
+                results = asyncio.run(run_rate(s.url, s.model, rate, args.requests, seed, args.give_up))
+                report(s.runtime, rate, results)
         finally:
-            proc.terminate()
-            proc.wait(60)
+            runtimes.stop(proc)
     return 0
 
 

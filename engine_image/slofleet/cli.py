@@ -25,6 +25,9 @@ COMMANDS = {
     "autoscaler": Command(module="slofleet.autoscaler.cli", extra="control", help="run the SLO-driven autoscaler"),
     "simulate": Command(module="slofleet.autoscaler.simulate_cli", extra="control",
                         help="replay traces through the fleet simulator"),
+    "export-hf": Command(module="slofleet.engine.export", extra="engine",
+                         help="write the embedded (or a given) model as a Hugging Face directory that vLLM and "
+                         "transformers load"),
     "router": Command(module="slofleet.router.cli", extra="router",
                       help="run the bucket/priority-aware router in front of engines"),
     "bench": Command(module="slofleet.bench.cli", extra="bench",
