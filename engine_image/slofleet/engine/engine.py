@@ -70,7 +70,7 @@ class LLMEngine:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.sampler = Sampler(self.eos_ids, config.seed)
+        self.sampler = Sampler(self.eos_ids, config.seed, self.runner.ops.argmax)
         self.spec = Speculator(config.num_speculative_tokens, config.speculative_ngram, config.speculative_buckets)
         self.bucket_priorities, self.bucket_tpot = config.bucket_priority_map(), config.bucket_tpot_map()
         self.requests: dict[str, Request] = {}
