@@ -37,7 +37,8 @@ KEEP_BYTES = 1 << 30
 def keep_freed_memory() -> bool:
     """Keep freed memory in the process's heap (glibc): by default a step's activations of some MBs are mmapped, given
     back when freed and faulted in again, zeroed, by the next step, thousands of page faults a run
-    (docs/kernels-notes.md). The heap then stays at the engine's peak use, as with tcmalloc, which vLLM's CPU backend preloads for the same reason. Process-wide: once."""
+    (docs/kernels-notes.md). The heap then stays at the engine's peak use, as with tcmalloc, which vLLM's CPU backend
+    preloads for the same reason. Process-wide: once."""
     if platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)

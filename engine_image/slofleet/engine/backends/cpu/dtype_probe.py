@@ -4,9 +4,10 @@ shapes and picks the faster: each as the engine runs it (fp32 through the CPU's 
 The answer is cached per CPU model and features, torch version, thread count and shape,
 so later starts skip the probe.
 
-One timing is easily wrong on a shared machine: the first GEMMs of a process are slow (thread pool, kernel
-selection), and a descheduled thread stalls a multi-threaded GEMM for a whole time slice. So the probe warms up first, then takes the best of ROUNDS short windows per dtype and shape, interleaved,
-so that contention hits both dtypes alike and what is kept is what the CPU can do."""
+One timing is easily wrong on a shared machine: the first GEMMs of a process are slow (thread pool, kernel selection),
+and a descheduled thread stalls a multi-threaded GEMM for a whole time slice. So the probe warms up first, then takes
+the best of ROUNDS short windows per dtype and shape, interleaved, so that contention hits both dtypes alike and what is
+kept is what the CPU can do."""
 from __future__ import annotations
 
 import json
