@@ -64,8 +64,8 @@ CONFIGS = [(dtype, name) for dtype in ("float32", "bfloat16") for name in ("plai
 
 
 def bits(old: Path, only: list[str]) -> int:
-    """Each configuration in a fresh process of each tree: an engine's logprobs may depend on what earlier engines
-    in the same process left in freed memory (docs/kernels-notes.md), which is not what is compared here."""
+    """Each configuration in a fresh process of each tree, so no engine inherits another's state. fp32 chunked
+    prefill's logprobs vary from run to run in either tree (docs/kernels-notes.md)."""
     bad = 0
     for dtype, name in CONFIGS:
         if only and name not in only:
