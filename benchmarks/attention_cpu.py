@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from slofleet.engine import cpu_kernels, dtype_probe
+from slofleet.engine.backends.cpu import cpu_kernels, dtype_probe
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16  # the embedded model's attention
 POOL_BLOCKS = 2912  # its 1 GiB pool
@@ -45,8 +45,10 @@ def library(base: str | None, tmp: Path) -> ctypes.CDLL:
     top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True,
                          check=True).stdout.strip()
     for f in cpu_kernels.SOURCES + cpu_kernels.HEADERS:
-        rel = f.relative_to(top)
-        shown = subprocess.run(["git", "show", f"{base}:{rel}"], cwd=top, capture_output=True)
+        for rel in (f.relative_to(top), Path("engine_image/slofleet/engine") / f.name):  # before the backends' move
+            shown = subprocess.run(["git", "show", f"{base}:{rel}"], cwd=top, capture_output=True)
+            if shown.returncode == 0:
+                break
         if shown.returncode == 0:  # a file the revision did not have yet is left out
             (src / f.name).write_bytes(shown.stdout)
     out = tmp / "base.so"

@@ -1,5 +1,5 @@
-"""Time the engine's decode step with the layer stack (engine/layer_stack.py) and with the model's layer loop,
-side by side in one run, at a few batch sizes.
+"""Time the engine's decode step with the layer stack (engine/backends/cpu/layer_stack.py) and with the model's layer
+loop, side by side in one run, at a few batch sizes.
 
     .venv/bin/python benchmarks/decode_step.py [--batches 16 32 64] [--steps 24]
 

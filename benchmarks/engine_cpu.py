@@ -89,8 +89,8 @@ def chat_ids(tokenizer, texts: list[str]) -> list[list[int]]:
 def gemm_rates() -> dict[str, dict[str, float]]:
     """GFLOP/s per shape of torch's GEMM in each dtype and, where they are built, of slofleet's own GEMM kernels
     (the limit takes the fastest of them), at the thread count every system runs with."""
-    from slofleet.engine import cpu_kernels
-    from slofleet.engine.dtype_probe import gemm_gflops
+    from slofleet.engine.backends.cpu import cpu_kernels
+    from slofleet.engine.backends.cpu.dtype_probe import gemm_gflops
     kinds = [("fp32", torch.float32, False), ("bf16", torch.bfloat16, False)]
     if cpu_kernels.panel_columns():
         kinds.append(("fp32 kernel", torch.float32, True))

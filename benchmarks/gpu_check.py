@@ -155,14 +155,12 @@ def make_engine(path: Path, s: dict, device: torch.device):
 
 def use_backend(engine, kind: str, graph_batch: int = 0) -> None:
     """Point every layer at one backend and run steps the way the runner should once wired (see cuda_graphs.py)."""
-    from slofleet.engine.attention import TorchAttention
-    from slofleet.engine.cuda_graphs import maybe_capture
-    from slofleet.engine.triton_attention import TritonAttention
+    from slofleet.engine.backends.torch.attention import TorchAttention
+    from slofleet.engine.backends.triton.attention import TritonAttention
+    from slofleet.engine.backends.triton.cuda_graphs import maybe_capture
     r = engine.runner
     attn = TritonAttention(r.block_size) if kind == "triton" else TorchAttention(r.block_size)
-    r.attention = attn
-    for layer in r.model.layers:
-        layer.attention = attn
+    r.attention = r.ops.attention = attn  # the layers read it from their ops
     if hasattr(r, "graphs"):
         r.graphs = None  # graphs the runner captured itself would bypass the backend chosen here
     graphs = None
@@ -253,7 +251,7 @@ def timed(fn, device: torch.device, iters: int = 20) -> float:
 
 def kernel_registers() -> str:
     """Registers, spills and shared memory of each compiled attention kernel: what bounds occupancy."""
-    from slofleet.engine import triton_attention as ta
+    from slofleet.engine.backends.triton import attention as ta
     lines = []
     for fn in (ta._store_kv, ta._paged_attention, ta._split_kv_decode, ta._merge_splits):
         try:
@@ -268,8 +266,8 @@ def kernel_registers() -> str:
 
 def decode_bandwidth(s: dict, device: torch.device) -> list[dict]:
     """One decode step of attention (store + attend + merge) over long contexts; bytes = K and V read once."""
-    from slofleet.engine.attention import AttentionMetadata
-    from slofleet.engine.triton_attention import TritonAttention
+    from slofleet.engine.backends.ops import AttentionMetadata
+    from slofleet.engine.backends.triton.attention import TritonAttention
     heads, kvh, d, bs, dt = s["heads"], s["kv_heads"], s["hidden"] // s["heads"], 16, torch.bfloat16
     copy_src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     copy_dst = torch.empty_like(copy_src)

@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from slofleet.engine import dtype_probe
+from slofleet.engine.backends.cpu import dtype_probe
 
 HIDDEN, INTER = 576, 1536  # SmolLM2-135M's projection shapes
 

@@ -17,10 +17,11 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="it se
 SCRIPT = """
 import json, resource, sys
 from slofleet.engine import LLM, SamplingParams, runner
-from slofleet.engine.model import CausalLM
+from slofleet.engine.backends.cpu.ops import CpuOps
 if sys.argv[1] == "off":
     runner.keep_freed_memory = lambda: False
-CausalLM.forms = lambda self: {}  # finding them at load leaves a heap the steps reuse even without the setting
+# finding them at load leaves a heap the steps reuse even without the setting
+CpuOps.forms = lambda self, model, dtype: {}
 llm = LLM(dtype="float32")
 llm.engine.runner.model.stack = None  # the layers' loop: the layer stack's few step buffers fault little either way
 prompts = [[1 + (i * 7 + j) % 400 for j in range(200 + 40 * i)] for i in range(4)]

@@ -1,7 +1,7 @@
 """Kernel tests run under the Triton interpreter on CPU and compiled on a GPU.
 
 TRITON_INTERPRET must be set before triton is first imported, so it is set here, before any test imports
-the kernels (slofleet.engine.triton_attention also sets it on import where there is no GPU).
+the kernels (slofleet.engine.backends.triton.attention also sets it on import where there is no GPU).
 A GPU run (benchmarks/gpu_check.py) sets TRITON_INTERPRET=0 itself. The fixtures build the CPU kernels again without
 one of this CPU's features, so one machine checks the paths of CPUs without it too.
 """
@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 def variant(tmp_path_factory, feature: str, flags: list[str], why: str):
     """The kernels built again without the CPU's `feature` (by `flags`), or a skip saying `why` where it has none."""
-    from slofleet.engine import cpu_kernels, dtype_probe  # after TRITON_INTERPRET is set
+    from slofleet.engine.backends.cpu import cpu_kernels, dtype_probe  # after TRITON_INTERPRET is set
     if feature not in dtype_probe.cpu_model().split():
         pytest.skip(why)
     path = tmp_path_factory.mktemp("kernels") / f"no-{feature}.so"

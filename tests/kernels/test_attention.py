@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
-from slofleet.engine import attention
-from slofleet.engine.attention import AttentionMetadata, TorchAttention
-from slofleet.engine.triton_attention import TritonAttention
+from slofleet.engine.backends.ops import AttentionMetadata
+from slofleet.engine.backends.torch import attention
+from slofleet.engine.backends.torch.attention import TorchAttention
+from slofleet.engine.backends.triton.attention import TritonAttention
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 1e-2), torch.bfloat16: (2e-2, 2e-2)}

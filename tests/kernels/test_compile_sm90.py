@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from slofleet.engine import triton_attention as ta
+    from slofleet.engine.backends.triton import attention as ta
 
     attn = ta.TritonAttention(16)
     types = dict.fromkeys(("out", "q", "k_cache", "v_cache", "k", "v"), "*bf16")

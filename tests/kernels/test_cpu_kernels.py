@@ -8,9 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from slofleet.engine import cpu_kernels, dtype_probe
-from slofleet.engine.attention import TorchAttention
-from slofleet.engine.model import RMSNorm, Rotary, rotate, silu_mul
+from slofleet.engine.backends.cpu import cpu_kernels, dtype_probe
+from slofleet.engine.backends.cpu.attention import CpuAttention
+from slofleet.engine.backends.cpu.ops import CpuOps
+from slofleet.engine.backends.torch import TorchAttention, TorchOps
+from slofleet.engine.model import RMSNorm, Rotary
 from tests.kernels.test_attention import make_batch
 
 # Skipped only without a compiler: where there is one, a build that fails is a bug (the engine would fall back to the
@@ -30,10 +32,8 @@ def attend(spans, block_size, heads, kv_heads, dim, dtype, kernel: bool, monkeyp
     qk = torch.randn((total, heads + kv_heads, dim), generator=gen).to(dtype)
     q, k = qk[:, :heads], qk[:, heads:]
     v = torch.randn((total, kv_heads, dim), generator=gen).to(dtype)
-    with monkeypatch.context() as m:
-        if not kernel:
-            m.setattr(cpu_kernels, "attention_usable", lambda *a: False)
-        return TorchAttention(block_size).forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
+    backend = CpuAttention(block_size) if kernel else TorchAttention(block_size)
+    return backend.forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -69,7 +69,7 @@ def test_slots_past_a_context_never_reach_the_output(dtype, heads, kv_heads, dim
     for fill in (float("nan"), 0.0):
         kc, vc = (c.clone().view(-1, kv_heads, dim) for c in (k_cache, v_cache))
         kc[~keep], vc[~keep] = fill, fill
-        outs.append(TorchAttention(bs).forward(q, k, v, kc.view_as(k_cache), vc.view_as(v_cache), meta, dim ** -0.5))
+        outs.append(CpuAttention(bs).forward(q, k, v, kc.view_as(k_cache), vc.view_as(v_cache), meta, dim ** -0.5))
     assert not outs[0].isnan().any()
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
 
@@ -145,8 +145,8 @@ def test_without_a_compiler_the_engine_keeps_the_torch_path(tmp_path, monkeypatc
         cpu_kernels.load.cache_clear()
 
 
-def torch_path(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "usable", lambda *a: False)
+def cpu_ops(dtype: torch.dtype) -> CpuOps:
+    return CpuOps(16, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -174,10 +174,8 @@ def check_norm(dtype, rows, delta_layout, monkeypatch, hidden=576):
     with torch.no_grad():
         norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
         x2 = x.clone()
-        got = norm(x, delta)
-        with monkeypatch.context() as m:
-            torch_path(m)
-            want = norm(x2, delta)
+        got = cpu_ops(dtype).add_rms_norm(x, delta, norm.weight, norm.eps)
+        want = TorchOps(16).add_rms_norm(x2, delta, norm.weight, norm.eps)
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one rounding apart where a sum's order differs
     torch.testing.assert_close(x, x2, atol=0, rtol=0)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
@@ -192,11 +190,9 @@ def test_rope_matches_torch(dtype, rows, monkeypatch):
     gen = torch.Generator().manual_seed(rows)
     qkv = torch.randn((rows, 15 * 64), generator=gen).to(dtype)
     cos, sin = rotary.at(torch.randint(0, 4096, (rows,), generator=gen))
-    with monkeypatch.context() as m:
-        torch_path(m)
-        want = rotate(qkv[:, :12 * 64].unflatten(1, (12, 64)), cos, sin)
+    want = TorchOps(16).rotate(qkv[:, :12 * 64].unflatten(1, (12, 64)), cos, sin)
     v = qkv[:, 12 * 64:].clone()
-    got = rotate(qkv[:, :12 * 64].unflatten(1, (12, 64)), cos, sin)
+    got = cpu_ops(dtype).rotate(qkv[:, :12 * 64].unflatten(1, (12, 64)), cos, sin)
     assert got.data_ptr() == qkv.data_ptr()  # in place, no copy
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     torch.testing.assert_close(qkv[:, 12 * 64:], v, atol=0, rtol=0)
@@ -209,10 +205,8 @@ def test_silu_mul_rounds_as_torch_in_bf16(rows, inter, monkeypatch):
     gate_up = (torch.randn((rows, 2 * inter), generator=gen) * 4).to(torch.bfloat16)
     if not cpu_kernels.silu_usable(gate_up):
         pytest.skip("no AVX-512 on this CPU: the kernel is not built and torch's ops run")
-    got = silu_mul(gate_up)
-    with monkeypatch.context() as m:
-        torch_path(m)
-        want = silu_mul(gate_up)
+    got = cpu_ops(torch.bfloat16).silu_mul(gate_up)
+    want = TorchOps(16).silu_mul(gate_up)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
@@ -229,7 +223,8 @@ def test_the_fp32_silu_kernel_is_torchs_silu_bit_for_bit(rows, inter):
     gate_up = torch.randn((rows, 2 * inter), generator=gen) * 6
     assert cpu_kernels.silu_usable(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(silu_mul(gate_up), torch.nn.functional.silu(gate).mul_(up), atol=0, rtol=0)
+    got = cpu_ops(torch.float32).silu_mul(gate_up)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate).mul_(up), atol=0, rtol=0)
     assert not cpu_kernels.silu_usable(gate_up[:7]), "a decode's few rows take torch's two ops, the same bits"
 
 
@@ -345,26 +340,24 @@ def test_only_what_the_bf16_kernels_take_is_packed(bf16_kernel):
 
 
 def test_a_bf16_layer_with_tiles_answers_as_its_weight_did(bf16_kernel):
-    from slofleet.engine.model import dense
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 96, bias=True).bfloat16()
     x = torch.randn(9, 64).bfloat16()
     want = torch.nn.functional.linear(x, layer.weight, layer.bias).float()
     layer.panels = cpu_kernels.pack(layer.weight)
-    torch.testing.assert_close(dense(x, layer).float(), want, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(cpu_ops(torch.bfloat16).linear(x, layer).float(), want, atol=0.05, rtol=0.02)
 
 
 def test_a_layer_with_panels_answers_as_its_weight_did():
-    """model.dense takes a layer's panels (CausalLM.pack's), bias included, as F.linear took its weight."""
+    """CpuOps.linear takes a layer's panels (CpuOps.prepare's), bias included, as F.linear took its weight."""
     if not cpu_kernels.panel_columns():
         pytest.skip("no GEMM kernel on this CPU")
-    from slofleet.engine.model import dense
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 8 * cpu_kernels.panel_columns(), bias=True)
     x = torch.randn(9, 48)
     want = torch.nn.functional.linear(x, layer.weight, layer.bias)
     layer.panels = cpu_kernels.pack(layer.weight)
-    torch.testing.assert_close(dense(x, layer), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu_ops(torch.float32).linear(x, layer), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -380,8 +373,8 @@ def test_the_kv_store_puts_rows_where_index_copy_does(dtype, rows):
     held = torch.randn((2, blocks, bs, kvh, d), generator=gen).to(dtype)
     caches = [held.clone(), held.clone()]
     assert cpu_kernels.kv_store_usable(k, v, caches[0][0], slots)
-    TorchAttention.write(k, v, caches[0][0], caches[0][1], slots, kernel=True)
-    TorchAttention.write(k, v, caches[1][0], caches[1][1], slots, kernel=False)
+    cpu_kernels.kv_store(k, v, caches[0][0], caches[0][1], slots)
+    TorchAttention.write(k, v, caches[1][0], caches[1][1], slots)
     assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], held)
     assert not cpu_kernels.kv_store_usable(k, v, caches[0][0], slots.int())  # int32 slots: index_copy_ takes them
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
-from slofleet.engine.attention import TorchAttention
-from slofleet.engine.cuda_graphs import DecodeGraphs, _Captured, default_sizes, maybe_capture
+from slofleet.engine.backends.torch import TorchAttention, TorchOps
+from slofleet.engine.backends.triton.attention import TritonAttention
+from slofleet.engine.backends.triton.cuda_graphs import DecodeGraphs, _Captured, default_sizes, maybe_capture
 from slofleet.engine.model import CausalLM
-from slofleet.engine.triton_attention import TritonAttention
 
 from .test_attention import DEVICE, make_batch
 
@@ -32,7 +32,8 @@ def test_padded_replay_matches_eager_torch():
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
     triton_attn, torch_attn = TritonAttention(16), TorchAttention(16)
-    model = CausalLM(cfg, triton_attn, 256).to(DEVICE).eval()
+    ops = TorchOps(16, triton_attn)
+    model = CausalLM(cfg, ops, 256).to(DEVICE).eval()
     model.rotary.to(torch.device(DEVICE))
     spans = [(1, 40), (1, 17), (1, 64)]
     meta, kc, vc = make_batch(spans, 16, 2, 16, torch.float32, seed=5)
@@ -54,8 +55,7 @@ def test_padded_replay_matches_eager_torch():
     with torch.inference_mode():
         assert graphs.can_run(meta)
         logits = graphs.run(input_ids, positions, meta).clone()
-        for layer in model.layers:
-            layer.attention = torch_attn
+        ops.attention = torch_attn
         ref = model(input_ids, positions, ref_kv, meta, torch.arange(3, device=DEVICE))
     assert logits.shape == (3, 64)
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)

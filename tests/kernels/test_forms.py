@@ -9,7 +9,8 @@ import pytest
 import torch
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
-from slofleet.engine import cpu_kernels, quant
+from slofleet.engine.backends.cpu import cpu_kernels, quant
+from slofleet.engine.backends.cpu.ops import CpuOps, gguf_forms
 from slofleet.engine.model import CausalLM
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler here to build the kernels")
@@ -109,11 +110,10 @@ def test_the_gemm_on_the_form_is_the_bf16_gemm_bit_for_bit(rows, paired, kind, n
 
 
 def test_the_embedded_models_projections_all_have_their_form(model_dir):
-    from slofleet.engine.attention import TorchAttention
     from slofleet.engine.loader import load_config, read_tensors
-    model = CausalLM(load_config(model_dir), TorchAttention(16), 64)
+    model = CausalLM(load_config(model_dir), CpuOps(16, torch.float32), 64)
     model.load_hf_state_dict(read_tensors(model_dir))
-    found = model.forms()
+    found = gguf_forms(model)
     per_layer = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     layers = {id(getattr(layer, name)) for layer in model.layers for name in per_layer}
     assert found.keys() == layers | {id(model.lm_head)}
@@ -181,7 +181,7 @@ def test_an_engine_gives_the_same_tokens_and_logprobs_with_the_forms(dtype, monk
 
     with_forms, model = run()
     assert model.layers[0].gate_up_proj.panels.dtype == model.lm_head.panels.dtype == torch.uint8
-    monkeypatch.setattr(CausalLM, "forms", lambda self: {})
+    monkeypatch.setattr(CpuOps, "forms", lambda self, model, dtype: {})
     without, model = run()
     assert model.layers[0].gate_up_proj.panels.dtype == model.lm_head.panels.dtype == dtype
     assert with_forms == without

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from slofleet.engine import LLM, SamplingParams, cpu_kernels
-from slofleet.engine.layer_stack import GEMMS, LayerStack
-from slofleet.engine.model import CausalLM
+from slofleet.engine import LLM, SamplingParams
+from slofleet.engine.backends.cpu import cpu_kernels
+from slofleet.engine.backends.cpu.layer_stack import GEMMS, LayerStack
+from slofleet.engine.backends.cpu.ops import CpuOps
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels did not build here")
 
@@ -51,7 +52,7 @@ def generate(stacked: bool, monkeypatch, dtype: str, **config) -> tuple[list, li
 @pytest.mark.parametrize("forms", [True, False], ids=["gguf forms", "plain weights"])
 def test_stacked_steps_give_the_loops_tokens_and_logprobs(forms, dtype, monkeypatch):
     if not forms:
-        monkeypatch.setattr(CausalLM, "forms", lambda self: {})
+        monkeypatch.setattr(CpuOps, "forms", lambda self, model, dtype: {})
     # 48 tokens a step: the long prompt's chunks run beside the others' decodes, over the context cached before them
     with_stack, steps, llm = generate(True, monkeypatch, dtype, max_num_batched_tokens=48)
     model = llm.engine.runner.model

@@ -20,10 +20,10 @@ SCRIPT = textwrap.dedent(f"""
 
     sys.meta_path.insert(0, Absent())
     import slofleet.engine
-    from slofleet.engine.attention import TorchAttention
-    from slofleet.engine.cuda_graphs import DecodeGraphs
+    from slofleet.engine.backends.torch.attention import TorchAttention
+    from slofleet.engine.backends.triton.cuda_graphs import DecodeGraphs
     from slofleet.engine.engine import LLMEngine
-    from slofleet.engine.triton_attention import TritonAttention
+    from slofleet.engine.backends.triton.attention import TritonAttention
 
     TorchAttention(16), TritonAttention(16)
     leaked = sorted(m for m in sys.modules if m.split(".")[0] in {BLOCKED!r})

@@ -70,7 +70,7 @@ class LLMEngine:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.sampler = Sampler(self.eos_ids, config.seed)
+        self.sampler = Sampler(self.eos_ids, config.seed, self.runner.ops.argmax)
         self.spec = Speculator(config.num_speculative_tokens, config.speculative_ngram, config.speculative_buckets)
         self.bucket_priorities, self.bucket_tpot = config.bucket_priority_map(), config.bucket_tpot_map()
         self.requests: dict[str, Request] = {}
@@ -246,21 +246,7 @@ class LLMEngine:
             return outputs
         batch = [(req, n, self.kv.block_table(req.request_id)) for req, n in sched.scheduled]
         logits = self.runner.execute(batch)
-        t_forward = time.monotonic()
-        st = self.step_stats
-        st.steps += 1
-        st.tokens_scheduled += sched.num_tokens
-        st.max_tokens_in_step = max(st.max_tokens_in_step, sched.num_tokens)
-        step_prompt = 0
-        for req, n in sched.scheduled:
-            prompt = max(0, min(req.num_prompt_tokens, req.num_computed_tokens + n) - req.num_computed_tokens)
-            step_prompt += prompt + len(req.draft)  # to the step-cost model, a draft's tokens cost what prompt's do
-            st.prompt_tokens_computed += prompt
-            req.num_prompt_computed += prompt
-            if prompt:
-                req.record(Event.PREFILL_CHUNK, t_forward)
-            req.num_computed_tokens += n - len(req.draft)  # a draft's tokens count once accepted (settle)
-        decodes = sum(1 for req, n in sched.scheduled if n == 1 + len(req.draft))
+        work = self.scheduler.commit(sched, time.monotonic(), self.step_stats)
         # A request samples once all its tokens are computed; a partial prefill chunk does not.
         rows, reqs = self.spec.rows(sched.scheduled)
         kept: list[list[int]] = []
@@ -270,8 +256,8 @@ class LLMEngine:
             outputs += self._postprocess(reqs, kept, kept_lps)
             self.spec.settle(self.kv, reqs)
         seconds = time.monotonic() - t0
-        self.scheduler.observe(len(sched.scheduled), step_prompt, seconds)
-        self.last_step = StepRecord(seconds=seconds, num_tokens=sched.num_tokens, num_decodes=decodes,
+        self.scheduler.observe(len(sched.scheduled), work.prompt_tokens, seconds)
+        self.last_step = StepRecord(seconds=seconds, num_tokens=sched.num_tokens, num_decodes=work.decodes,
                                     num_requests=len(sched.scheduled), num_generated=sum(map(len, kept)))
         for req, _ in sched.scheduled:  # each request's share of the step, for cost attribution
             req.busy_s += seconds / len(sched.scheduled)

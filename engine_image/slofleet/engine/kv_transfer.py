@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .dtype_probe import DTYPES
+from .backends.cpu.dtype_probe import DTYPES
 from .errors import UpstreamError
 
 if TYPE_CHECKING:

@@ -8,8 +8,7 @@ from .engine import LLMEngine
 from .sampling_params import SamplingParams
 
 # Offline generation has no latency target, so a step may take more prompt tokens than the server's default (as vLLM's
-# LLM class does): fewer, longer prefill steps reuse each weight over more rows. On a 2-core AMX Xeon the engine_cpu
-# workload ran 362 -> 400 tok/s from 512 to 2048, and no faster at 4096.
+# LLM class does): fewer, longer prefill steps reuse each weight over more rows (docs/kernels-notes.md).
 OFFLINE_BATCHED_TOKENS = 2048
 
 

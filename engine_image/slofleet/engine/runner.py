@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_kernels, cuda_graphs, dtype_probe
-from .attention import AttentionBackend, AttentionMetadata, TorchAttention
+from . import backends
+from .backends.cpu import cpu_kernels, dtype_probe
+from .backends.ops import AttentionMetadata, Ops
+from .backends.triton import cuda_graphs  # imports triton only where it captures
 from .config import EngineConfig
 from .loader import load_config, read_tensors
 from .model import CausalLM
@@ -34,9 +36,9 @@ KEEP_BYTES = 1 << 30
 @functools.cache
 def keep_freed_memory() -> bool:
     """Keep freed memory in the process's heap (glibc): by default a step's activations of some MBs are mmapped, given
-    back when freed and faulted in again, zeroed, by the next step: 7,000-8,600 page faults and 0.05-0.1 s of kernel
-    time in a 3 s run of 16 prompts on a 2-core EPYC; with this, under 60 and 0.02 s. The heap then stays at the
-    engine's peak use, as with tcmalloc, which vLLM's CPU backend preloads for the same reason. Process-wide: once."""
+    back when freed and faulted in again, zeroed, by the next step, thousands of page faults a run
+    (docs/kernels-notes.md). The heap then stays at the engine's peak use, as with tcmalloc, which vLLM's CPU backend
+    preloads for the same reason. Process-wide: once."""
     if platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
@@ -51,32 +53,27 @@ class ModelRunner:
         self.dtype_choice = dtype_probe.choose(config.dtype, self.device, self.hf_config.hidden_size,
                                                self.hf_config.intermediate_size)
         self.dtype = dtype_probe.DTYPES[self.dtype_choice.dtype]
-        self.attention: AttentionBackend
-        if self.device.type == "cuda":
-            from .triton_attention import TritonAttention  # lazy: the CPU path never imports triton
-            self.attention = TritonAttention(config.block_size)
-        else:
+        if self.device.type == "cpu":
             cpu_kernels.load()  # built (seconds, once per machine) at start rather than in the first decode
             keep_freed_memory()
-            self.attention = TorchAttention(config.block_size)
+        self.ops: Ops = backends.pick(self.device, self.dtype, config.block_size)  # once: the model never asks again
+        self.attention = self.ops.attention
         self.max_len, self.max_num_seqs, self.graphs = max_len, config.max_num_seqs, None
         self.use_cuda_graphs = config.cuda_graphs
         with torch.device("meta"):
-            model = CausalLM(self.hf_config, self.attention, max_len)
+            model = CausalLM(self.hf_config, self.ops, max_len)
         model = model.to_empty(device=self.device)
         model.rotary.to(self.device)
         if getattr(self.hf_config, "tie_word_embeddings", False):
             model.lm_head.weight = model.embed_tokens.weight
         model.load_hf_state_dict(read_tensors(path))
-        # where a GEMM kernel of the model's dtype unpacks them (bf16 on AVX512-BF16, with or without AMX; fp32 on
-        # AVX-512 or AVX2), it reads a GGUF checkpoint's weights in their quantised forms (quant.py)
-        unpacks = self.device.type == "cpu" and cpu_kernels.unpacks(self.dtype)
-        forms = model.forms() if unpacks else {}
+        # where a GEMM kernel of the model's dtype unpacks them, it reads a GGUF checkpoint's weights in their
+        # quantised forms (backends/cpu/quant.py): seen before the cast, which loses what tells them apart
+        forms = self.ops.forms(model, self.dtype)
         self.model = model.to(self.dtype).eval()
-        if self.device.type == "cpu":
-            model.pack(forms)
-            if forms:
-                log.info("%d of the model's projections kept in their GGUF forms", len(forms))
+        self.ops.prepare(model, forms)
+        if forms:
+            log.info("%d of the model's projections kept in their GGUF forms", len(forms))
         layer = model.layers[0]
         self.kv_shape = (config.block_size, layer.n_kv, layer.head_dim)
         self.num_layers = len(model.layers)

@@ -10,9 +10,10 @@ that need something (penalties, min_tokens, seeds, logprobs); an all-greedy batc
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from . import cpu_kernels
 from .request import Request
 
 NEG_INF = float("-inf")
@@ -97,16 +98,15 @@ def plain_greedy(req: Request) -> bool:
 
 
 def first_max(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's first maximum, in the logits' own dtype (widening is exact, so the same index): on the CPU by the
-    kernel (16 rows of bf16 logits of 49,152: 0.22 ms to widen them and take torch's max, 0.04 ms in one pass), else
-    torch's max on the logits' device, so only the indices travel."""
-    found = cpu_kernels.argmax(logits) if logits.device.type == "cpu" else None
-    return found if found is not None else logits.max(-1).indices.cpu()
+    """Each row's first maximum, in the logits' own dtype (widening is exact, so the same index), on their device, so
+    only the indices travel. A backend may do it faster (Ops.argmax: the CPU's one-pass kernel)."""
+    return logits.max(-1).indices.cpu()
 
 
 class Sampler:
-    def __init__(self, eos_ids: set[int], seed: int = 0):
+    def __init__(self, eos_ids: set[int], seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] = first_max):
         self.eos_ids = eos_ids
+        self.argmax = argmax  # the backend's, picked once at load
         self.default_generator = torch.Generator().manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
 
@@ -149,7 +149,7 @@ class Sampler:
         """Next token per row, and the top-N log-probabilities (of the model's raw distribution) where asked.
         The logits are the sampler's to change: penalties and temperature are applied in place."""
         if all(plain_greedy(r) for r in reqs):
-            return first_max(logits).tolist(), [None] * len(reqs)
+            return self.argmax(logits).tolist(), [None] * len(reqs)
         logits = logits.float().cpu().contiguous()
         want_lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None

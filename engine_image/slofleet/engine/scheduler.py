@@ -14,10 +14,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from . import speculative
 from .config import EngineConfig
 from .errors import AdmissionError
 from .kv_cache_manager import KVCacheManager
 from .request import Event, Request, Status
+from .stats import StepStats
 from .step_cost import StepCost
 
 STARVATION_S = 10.0  # see schedule(): the longest a request waits behind more urgent ones
@@ -33,6 +35,13 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+
+@dataclass(slots=True, kw_only=True)
+class StepWork:
+    """What a step computed, as the step-cost model and the step record count it."""
+    prompt_tokens: int  # prompt tokens, and draft tokens, which cost what a prompt token does
+    decodes: int  # requests that decoded (their next token, and a draft where they had one)
 
 
 class Scheduler:
@@ -99,7 +108,8 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.kv.free(victim)
-        victim.num_computed_tokens, victim.draft = 0, []
+        victim.num_computed_tokens = 0
+        speculative.drop(victim)
         victim.record(Event.PREEMPTED)
         self.preemptions_by_bucket[victim.bucket] = self.preemptions_by_bucket.get(victim.bucket, 0) + 1
         out.preempted.append(victim)
@@ -119,18 +129,6 @@ class Scheduler:
         out.scheduled.append((req, num_new))
         scheduled.add(id(req))
         return True
-
-    def _extend_drafts(self, out: SchedulerOutput, budget: int) -> int:
-        """Give the decodes just scheduled their drafts (speculative.py) from what the decodes left: budget, and
-        blocks that are free (a draft never preempts anyone). The budget left."""
-        for i, (req, _) in enumerate(out.scheduled):
-            k = min(len(req.draft), budget)
-            if k and self.kv.allocate(req, 1, lookahead=k):
-                req.draft, out.scheduled[i] = req.draft[:k], (req, 1 + k)
-                budget -= k
-            else:
-                req.draft = []
-        return budget
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput, scheduled: set[int]) -> int:
         """Start a waiting request (prefix-cache hits first); tokens scheduled, 0 when blocks are short."""
@@ -161,7 +159,7 @@ class Scheduler:
                 break
             if req in self.running and self._reserve(req, 1, out, scheduled):
                 budget -= 1
-        budget = self._extend_drafts(out, budget)
+        budget = speculative.fit(out.scheduled, budget, self.kv)
 
         budget = self.prompt_budget(budget, [r for r, _ in out.scheduled])
         now = time.monotonic()
@@ -201,3 +199,22 @@ class Scheduler:
             budget -= admitted
             urgent = rank(req)
         return out
+
+    def commit(self, out: SchedulerOutput, t_forward: float, stats: StepStats) -> StepWork:
+        """After the step's forward pass (ended at t_forward): what each scheduled request has computed. A draft's
+        tokens count once accepted (speculative.settle)."""
+        stats.steps += 1
+        stats.tokens_scheduled += out.num_tokens
+        stats.max_tokens_in_step = max(stats.max_tokens_in_step, out.num_tokens)
+        work = StepWork(prompt_tokens=0, decodes=0)
+        for req, n in out.scheduled:
+            drafted = len(req.draft)
+            prompt = max(0, min(req.num_prompt_tokens, req.num_computed_tokens + n) - req.num_computed_tokens)
+            work.prompt_tokens += prompt + drafted
+            work.decodes += n == 1 + drafted
+            stats.prompt_tokens_computed += prompt
+            req.num_prompt_computed += prompt
+            if prompt:
+                req.record(Event.PREFILL_CHUNK, t_forward)
+            req.num_computed_tokens += n - drafted
+        return work

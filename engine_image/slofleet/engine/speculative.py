@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from .kv_cache_manager import KVCacheManager
 from .request import Request
 
+# Every change to a request's draft is made here: proposed (Speculator.propose), cut to what a step has room for
+# (fit), dropped (drop: preempted), verified (Speculator.accept) and settled (Speculator.settle).
+
 
 def propose(tokens: list[int], n: int, k: int) -> list[int]:
     """The (up to) k tokens that followed the latest earlier occurrence of tokens' last n; [] when there is none.
@@ -40,6 +43,24 @@ def can_draft(req: Request) -> bool:
     p = req.params
     return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
             and len(req.output_token_ids) >= p.min_tokens)
+
+
+def fit(scheduled: list[tuple[Request, int]], budget: int, kv: KVCacheManager) -> int:
+    """Give the decodes just scheduled their drafts from what the decodes left: budget, and blocks that are free (a
+    draft never preempts anyone); each entry of scheduled grows to 1 + its draft. The budget left."""
+    for i, (req, _) in enumerate(scheduled):
+        k = min(len(req.draft), budget)
+        if k and kv.allocate(req, 1, lookahead=k):
+            req.draft, scheduled[i] = req.draft[:k], (req, 1 + k)
+            budget -= k
+        else:
+            req.draft = []
+    return budget
+
+
+def drop(req: Request) -> None:
+    """A preempted request's draft: its KV is gone, so it is proposed afresh once it decodes again."""
+    req.draft = []
 
 
 @dataclass(slots=True, kw_only=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .dtype_probe import DtypeChoice
+from .backends.cpu.dtype_probe import DtypeChoice
 from .speculative import SpecStats
 
 

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -20,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import dtype_probe  # as a module: it imports cpu_kernels, which imports this one
-from .loader import cache_root
+from ...loader import cache_root
 
 log = logging.getLogger("slofleet.engine.kernel")
 HERE = Path(__file__).parent
@@ -32,6 +32,7 @@ HEADERS = [HERE / "cpu_kernels.h", HERE / "forms.h", HERE / "decode_tiles.h"]
 # No contraction of a * b + c into one FMA: the torch ops these replace round the product first.
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-fPIC",
          "-shared"]
+FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which kernels build and which dtype is fast
 DISABLE = "SLOFLEET_NO_KERNELS"  # set to 1 to run the torch ops (a comparison, or a machine whose build misbehaves)
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -59,6 +60,21 @@ SIGNATURES = {
     "argmax_rows": [_ptr, _i64, _i64, _i64, _i32, _ptr, _i32],
 }
 
+def cpu_model() -> str:
+    """The CPU's model name and the features that matter here: machines sold under one name differ in them."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return " ".join([name, *(f for f in FEATURES if f in flags)])
+
+
 def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
@@ -81,7 +97,7 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get(DISABLE) == "1":
         return None
     text = b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()
-    key = hashlib.sha256(text + dtype_probe.cpu_model().encode() + torch.__version__.encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + cpu_model().encode() + torch.__version__.encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
     try:
         if not path.exists():

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_kernels
+from .attention import CpuAttention
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 GEMMS = {"tile_gemm": 1, "dot_gemm": 2, "small_gemm": 3}  # layer_stack.cpp's StackShape.gemm
@@ -43,15 +44,15 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 @dataclass(slots=True, kw_only=True)
 class LayerStack:
-    attention: object  # their TorchAttention, whose plan sends rows to the kernels
+    attention: CpuAttention  # whose plan sends rows to the kernels
     dtype: torch.dtype  # of the weights' kernel, and so of every step's rows
     shape: Shape
     table: ctypes.Array  # one Layer a decoder layer; its caches set by bind()
     bound: list | None = None  # the kv caches the table points at
 
     @classmethod
-    def build(cls, model) -> LayerStack | None:
-        """The stack of a packed model (CausalLM.pack), or None where some layer's work is not all the kernels'."""
+    def build(cls, model, attention: CpuAttention) -> LayerStack | None:
+        """The stack of a packed model (CpuOps.prepare), or None where some layer's work is not all the kernels'."""
         layers = list(model.layers)
         first = layers[0]
         dtype = first.input_layernorm.weight.dtype
@@ -60,7 +61,7 @@ class LayerStack:
             kernel = cpu_kernels.bf16_gemm()
         elif dtype == torch.float32 and cpu_kernels.has_silu_fp32():
             kernel = "small_gemm"
-        if kernel not in GEMMS or not hasattr(first.attention, "plan"):
+        if kernel not in GEMMS:
             return None
         for layer in layers:
             linears = [getattr(layer, name) for name in PROJECTIONS]
@@ -71,7 +72,7 @@ class LayerStack:
         prefill = cpu_kernels.prefill_kernel(dtype, first.n_heads, first.n_kv, first.head_dim)
         shape = Shape(hidden=first.o_proj.out_features, heads=first.n_heads, kv_heads=first.n_kv,
                       head_dim=first.head_dim, inter=first.down_proj.in_features,
-                      block_size=first.attention.block_size, gemm=GEMMS[kernel], prefill=int(prefill == "tile_prefill"),
+                      block_size=attention.block_size, gemm=GEMMS[kernel], prefill=int(prefill == "tile_prefill"),
                       threads=0, eps=first.input_layernorm.eps, scale=first.scale)
         table = (Layer * len(layers))()
         for entry, layer in zip(table, layers):
@@ -80,7 +81,7 @@ class LayerStack:
                 setattr(entry, f"{name}_form", cpu_kernels.form_of(m.panels))
             entry.in_norm = layer.input_layernorm.weight.data_ptr()
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-        return cls(attention=first.attention, dtype=dtype, shape=shape, table=table)
+        return cls(attention=attention, dtype=dtype, shape=shape, table=table)
 
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self.bound is not kv_caches:
@@ -102,20 +103,20 @@ class LayerStack:
         k = qkv[:, s.heads * hd:s.heads * hd + kv].view(tokens, s.kv_heads, hd)
         v = qkv[:, s.heads * hd + kv:].view(tokens, s.kv_heads, hd)
         plan = self.attention.plan(meta, q, k, v, kv_caches[0][0])
-        kernel = plan["kernel"]
-        if plan["decode_chunks"] or plan["prefill_info"] or not plan["store"] or not kernel:
+        if not plan.all_kernel:
             return None
+        rows = plan.kernel
         self.bind(kv_caches)
         s.threads = torch.get_num_threads()
-        tables, starts, qlens, lens = kernel["args"]
-        decodes, prefills = kernel.get("decode"), kernel.get("prefill")
+        tables, decodes, prefills = rows.tables, rows.decode, rows.prefill
         delta, h = torch.empty_like(x), torch.empty_like(x)
         attn, act = x.new_empty((tokens, s.heads * hd)), x.new_empty((tokens, s.inter))
         gate_up = None if bf16 else x.new_empty((tokens, 2 * s.inter))
         step = Step(x=x.data_ptr(), delta=delta.data_ptr(), h=h.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
                     act=act.data_ptr(), gate_up=None if gate_up is None else gate_up.data_ptr(), cos=cos.data_ptr(),
                     sin=sin.data_ptr(), slots=meta.slot_mapping.data_ptr(),
-                    tables=tables.data_ptr(), starts=starts.data_ptr(), qlens=qlens.data_ptr(), lens=lens.data_ptr(),
+                    tables=tables.data_ptr(), starts=rows.starts.data_ptr(), qlens=rows.qlens.data_ptr(),
+                    lens=rows.lens.data_ptr(),
                     decodes=None if decodes is None else decodes.data_ptr(),
                     prefills=None if prefills is None else prefills.data_ptr(),
                     n_decodes=0 if decodes is None else len(decodes),

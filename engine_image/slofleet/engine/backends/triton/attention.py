@@ -1,4 +1,4 @@
-"""Triton paged attention: the GPU backend of the attention interface (see attention.py).
+"""Triton paged attention: the GPU backend of the attention interface (backends/ops.py).
 
 Three kernels:
 - `_store_kv`: writes each new token's K/V into its slot (slot < 0 is a padding row and is skipped, which
@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from .attention import AttentionMetadata
+from ..ops import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 

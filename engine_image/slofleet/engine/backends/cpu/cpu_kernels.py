@@ -23,10 +23,8 @@ MAX_HEAD_DIM, MAX_GROUP, MAX_ROPE_DIM = 256, 16, 1024  # the kernels' stack buff
 TILE = 32  # the bf16 kernels take N and K in multiples of this
 # Rows up to which a bf16 kernel unpacks a quantised form's panels itself: the tile kernel once per chunk of 512 rows
 # (tile_gemm.cpp) on their way to the tile unit, the dot-product kernel a group of panel pairs at a time for every row
-# (dot_gemm.cpp); more unpack the whole weight into a buffer (212 MB a step for the embedded model, out
-# to memory and back) first. The embedded model's products over 10 layers, alternating on a 2-core AMX Xeon, took 1.18x
-# as long through the buffer at 384 rows, 1.09x at 768-2,048, 0.95x at 4,096 and 0.90x at 8,192; the engine_cpu
-# workload's prefill steps (2,048 and ~760 tokens, now in the layer stack) 446 -> 409 ms.
+# (dot_gemm.cpp); more unpack the whole weight into a buffer first (out to memory and back), which pays only from
+# a few thousand rows on (docs/kernels-notes.md).
 DIRECT_ROWS = 2048
 
 

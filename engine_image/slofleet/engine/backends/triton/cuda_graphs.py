@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionMetadata
+from ..ops import AttentionMetadata
 
 log = logging.getLogger("slofleet.engine.cuda_graphs")
 
@@ -98,7 +98,7 @@ def maybe_capture(model: torch.nn.Module, kv_caches: list, attention: object, ma
     """Capture decode graphs where they apply (CUDA and the Triton backend); None elsewhere."""
     if device.type != "cuda":
         return None  # before importing triton: on CPU it must stay unimported (TRITON_INTERPRET is read once)
-    from .triton_attention import TritonAttention
+    from .attention import TritonAttention
     if not isinstance(attention, TritonAttention):
         return None
     graphs = DecodeGraphs(model, kv_caches, max_batch, max_blocks, max_seq_len, device)

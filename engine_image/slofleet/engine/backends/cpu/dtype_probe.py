@@ -4,24 +4,24 @@ shapes and picks the faster: each as the engine runs it (fp32 through the CPU's 
 The answer is cached per CPU model and features, torch version, thread count and shape,
 so later starts skip the probe.
 
-One timing is easily wrong on a shared machine: the first GEMMs of a process are slow (thread pool, kernel
-selection), and a descheduled thread stalls a multi-threaded GEMM for a whole time slice (a 16-row GEMM then reads 50x
-slower). So the probe warms up first, then takes the best of ROUNDS short windows per dtype and shape, interleaved,
-so that contention hits both dtypes alike and what is kept is what the CPU can do."""
+One timing is easily wrong on a shared machine: the first GEMMs of a process are slow (thread pool, kernel selection),
+and a descheduled thread stalls a multi-threaded GEMM for a whole time slice. So the probe warms up first, then takes
+the best of ROUNDS short windows per dtype and shape, interleaved, so that contention hits both dtypes alike and what is
+kept is what the CPU can do."""
 from __future__ import annotations
 
 import json
 import logging
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from ...loader import cache_root
 from . import cpu_kernels
-from .loader import cache_root
+from .kernel_library import cpu_model
 
 log = logging.getLogger("slofleet.engine.dtype")
 PREFILL_ROWS, DECODE_ROWS = 512, 16
@@ -31,7 +31,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CANDIDATES = ("float32", "bfloat16")
 ROUNDS, WINDOW_S, WARM_UP_S = 5, 0.03, 0.2
 CLEARLY = 4.0  # a dtype whose step takes this many times the fastest's is out after a round
-FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which dtype's kernels are fast
 
 
 @dataclass(slots=True, kw_only=True)
@@ -39,21 +38,6 @@ class DtypeChoice:
     dtype: str
     reason: str  # "flag", "gpu" or "probe"
     gflops: dict[str, dict[str, float]]  # dtype -> {"prefill": GFLOP/s, "decode": GFLOP/s}; empty unless probed
-
-
-def cpu_model() -> str:
-    """The CPU's model name and the features that matter here: machines sold under one name differ in them."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return " ".join([name, *(f for f in FEATURES if f in flags)])
 
 
 def gemm_gflops(rows: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.05, kernel: bool = False,
@@ -81,7 +65,7 @@ def step_seconds(figures: dict[str, float], k: int, n: int) -> float:
 
 def probe(hidden: int, intermediate: int) -> dict[str, dict[str, float]]:
     """Best GFLOP/s per dtype and shape over ROUNDS. A dtype CLEARLY slower than another after a round is measured
-    no more: bf16 emulated on an AVX2 CPU runs at ~1 GFLOP/s, and timing it every round added ~15 s to a start."""
+    no more: bf16 emulated on an AVX2 CPU is so slow that timing it every round would lengthen every start."""
     shapes = {"prefill": PREFILL_ROWS, "decode": DECODE_ROWS}
     for name in CANDIDATES:
         gemm_gflops(PREFILL_ROWS, hidden, intermediate, DTYPES[name], WARM_UP_S / len(CANDIDATES), kernel=True,
