@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from slofleet.api.contract import DEFAULT_BUCKET
+
 from . import kv_transfer, loader
 from .config import EngineConfig, cpu_quota_threads
 from .detokenizer import Detokenizer
@@ -97,7 +99,7 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int | None = None, bucket: str = "default", deadline_s: float | None = None,
+                    priority: int | None = None, bucket: str = DEFAULT_BUCKET, deadline_s: float | None = None,
                     export_kv: bool = False, kv: KVPayload | None = None, tpot: float | None = None) -> Request:
         """Validate and queue a request. InvalidRequest: bad input (400); AdmissionError: overloaded (429);
         UpstreamError: kv does not fit this engine (502).

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from slofleet.api.contract import DEFAULT_BUCKET
+
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,7 +50,7 @@ class Request:
     params: SamplingParams
     max_tokens: int  # resolved against max_model_len
     priority: int = 0
-    bucket: str = "default"
+    bucket: str = DEFAULT_BUCKET
     deadline: float | None = None  # time.monotonic() by which it must be scheduled
     tpot: float | None = None  # seconds per output token its bucket targets: bounds the prompt work beside it
     arrival_time: float = field(default_factory=time.monotonic)
