@@ -85,6 +85,15 @@ class Balancer:
         chain = self.precise.chain(messages, prompt) if self.precise is not None else None
         return Prefix(ring, chain) if chain else ring
 
+    def how(self, key: int | Prefix | None) -> str:
+        """How a request with this key is routed, as metrics and traces name it: under prefix, a prompt without a
+        full block to match goes by load."""
+        return "least-load" if key is None and self.policy == "prefix" else self.policy
+
+    def hows(self) -> tuple[str, ...]:
+        """Every value how() can give under this policy."""
+        return (self.how(0), self.how(None)) if self.policy == "prefix" else (self.policy,)
+
     def choose(self, ready: list[Replica], key: int | None, exclude: set[str]) -> Replica | None:
         cands = [r for r in ready if r.url not in exclude]
         if not cands:

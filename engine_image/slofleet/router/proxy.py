@@ -109,10 +109,8 @@ class Router:
         self.tasks: list[asyncio.Task] = []
         balancer.set_urls(list(replicas.replicas))
         replicas.on_change = balancer.set_urls
-        # how a replica can be chosen: the policy, and least-load for prompts without a full block to match
-        routes = (balancer.policy, "least-load") if balancer.policy == "prefix" else (balancer.policy,)
         for b in classifier.buckets:
-            self.metrics.zero(b.name, routes)
+            self.metrics.zero(b.name, balancer.hows())
 
     async def __call__(self, scope, receive, send) -> None:
         path, method = scope["path"], scope["method"]

@@ -176,7 +176,7 @@ class Upstream:
         prefill = None
         if tries.long_prompt:
             prefill = self.balancer.choose(self.replicas.ready((PREFILL,)), key, tries.bad_prefill)
-        how = "least-load" if key is None and self.balancer.policy == "prefix" else self.balancer.policy
+        how = self.balancer.how(key)
         self.metrics.routed.labels(tries.bucket, how).inc()
         choose.note(how=how)
         choose.end()
