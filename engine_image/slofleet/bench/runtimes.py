@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-VLLM, LLAMACPP = "vllm", "llamacpp"
-RUNTIMES = (VLLM, LLAMACPP)
+from slofleet.api.contract import LLAMACPP, VLLM  # the runtimes' names, as spec.engine.runtime spells them
+
 # What each install writes last: a directory without it is partial.
 _LAYOUT = {VLLM: ("vllm-cpu-*", ".installed", "vllm-serve"), LLAMACPP: ("llamacpp-b*", "bin/llama-server",
                                                                          "llama-serve")}
@@ -118,6 +118,6 @@ def stop(proc: subprocess.Popen, grace: float = 30) -> None:
 
 
 def print_dirs() -> None:
-    for runtime in RUNTIMES:
+    for runtime in (VLLM, LLAMACPP):
         home = find(runtime)
         print(f"{runtime:9s} {home if home else 'not installed (make install-runtimes)'}", file=sys.stdout)
