@@ -32,16 +32,6 @@ from slofleet.bench.loadgen import MIX, Bucket, Result, percentile, stream_one
 from slofleet.engine import loader
 
 
-def exported_model(dtype: str) -> Path:
-    """The embedded model as an HF directory for vLLM, exported once per dtype into slofleet's cache."""
-    from slofleet.engine.export import export_hf
-
-    out = loader.cache_root() / "export-hf" / f"{loader.model_name('default')}-{dtype}"
-    if not (out / "model.safetensors").exists():
-        export_hf("default", out, dtype=dtype, force=True)
-    return out
-
-
 async def run_rate(url: str, model: str, rate: float, requests: int, seed: int, give_up: float) -> list[Result]:
     """The requests' results; those still running `give_up` seconds after the last arrival are cancelled and count
     as failed (a server that far behind has missed their SLOs long before)."""
@@ -122,21 +112,16 @@ def main() -> int:
     path = loader.resolve("default")
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     shape = runtimes.Shape(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
-    systems = [runtimes.Launch(runtime="slofleet", cmd=[
-        sys.executable, "-m", "slofleet.cli", "serve", "--port", str(args.port), "--max-num-seqs",
-        str(shape.max_num_seqs), "--max-model-len", str(shape.max_model_len), *shlex.split(args.slofleet_args)],
-        url=f"http://127.0.0.1:{args.port}", ready_path="/ready", model=shape.served_name)]
+    systems = [runtimes.own(args.port, shape, shlex.split(args.slofleet_args))]
     if args.transformers_serve:
         cli = str(Path(sys.executable).with_name("transformers"))
         systems.append(runtimes.Launch(runtime="transformers serve", cmd=[
             cli, "serve", "--continuous-batching", "--port", str(args.port + 1), str(path)],
             url=f"http://127.0.0.1:{args.port + 1}", ready_path="/health", model=str(path)))
     if args.vllm:
-        hf = exported_model(shape.dtype)
-        systems.append(runtimes.vllm(args.port + 2, hf, shape, shlex.split(args.vllm_args)))
+        systems.append(runtimes.launch(runtimes.VLLM, args.port + 2, shape, shlex.split(args.vllm_args)))
     if args.llamacpp:
-        systems.append(runtimes.llamacpp(args.port + 3, loader.embedded_gguf(), shape,
-                                         shlex.split(args.llamacpp_args)))
+        systems.append(runtimes.launch(runtimes.LLAMACPP, args.port + 3, shape, shlex.split(args.llamacpp_args)))
     print("SLOs: " + ", ".join(f"{b.name} TTFT<={b.ttft_slo}s TPOT<={b.tpot_slo * 1000:.0f}ms ({b.share:.0%})"
                                 for b in MIX))
     print(f"{'system':18s} {'rate':>5s} {'bucket':12s} {'n':>4s} {'TTFT50':>8s} {'TTFT95':>8s} {'TPOT50ms':>8s} "

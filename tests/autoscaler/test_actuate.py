@@ -140,7 +140,7 @@ def test_prometheus_federate_source_groups_series_by_pod():
     finally:
         server.shutdown()
     assert StandInPrometheus.queries == \
-        ['{__name__=~"vllm:.*|slofleet:.*",namespace="ns",service="chat-decode"}']
+        ['{__name__=~"vllm:.*|llamacpp:.*|slofleet:.*",namespace="ns",service="chat-decode"}']
     assert sorted((p.waiting, p.kv_usage, p.t) for p in pods) == [(4, 0.2, 1700000010.0), (6, 0.6, 1700000012.0)]
     a = next(p for p in pods if p.waiting == 4)
     assert a.ttft["chat"].fraction_le(0.5) == 0.7

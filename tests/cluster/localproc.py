@@ -28,6 +28,13 @@ class Container:
     started_at: str = ""
     ready: bool = False
     next_start: float = 0.0
+    # An exec readiness probe: run every `period` seconds in the container's environment, never waited on inside a
+    # sync round (vLLM's asks its own /v1/models through a Python one-liner).
+    probe_cmd: list[str] | None = None
+    probe_period: float = 10.0
+    probe_timeout: float = 1.0
+    probing: subprocess.Popen | None = None
+    probe_started: float = 0.0
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -46,9 +53,15 @@ class Container:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def exited(self) -> int | None:
+        """The exit code once it has ended (None while it runs or before it started)."""
+        return None if self.proc is None else self.proc.poll()
+
     def probe(self) -> bool:
         if not self.running():
             return False
+        if self.probe_cmd is not None:
+            return self.probe_exec()
         if self.probe_url is None:
             return True
         try:
@@ -57,7 +70,31 @@ class Container:
         except OSError:
             return False
 
+    def probe_exec(self) -> bool:
+        t = time.monotonic()
+        if self.probing is None:
+            if t - self.probe_started >= self.probe_period:
+                self.probe_started = t
+                try:
+                    self.probing = subprocess.Popen(self.probe_cmd, env=self.env, stdout=subprocess.DEVNULL,
+                                                    stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                                    start_new_session=True)
+                except OSError:  # its program is not there: a failed probe, as the kubelet counts it
+                    return False
+            return self.ready
+        if (rc := self.probing.poll()) is None:
+            if t - self.probe_started < self.probe_timeout:
+                return self.ready
+            os.killpg(self.probing.pid, signal.SIGKILL)
+            self.probing.wait()
+        self.probing = None
+        return rc == 0
+
     def stop(self, grace: float) -> None:
+        if self.probing is not None and self.probing.poll() is None:
+            os.killpg(self.probing.pid, signal.SIGKILL)
+            self.probing.wait()
+        self.probing = None
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:

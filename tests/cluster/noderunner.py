@@ -5,11 +5,15 @@ container's command + args as a local process with the pod's environment and a 1
 args expanded as the kubelet does; volumes, env from ConfigMaps and Secrets and the ServiceAccount's credentials
 as volumes.py makes them, mount paths rewritten in env and args to the local folders; a Python program's listen
 on every address narrowed to the pod IP by podnet/sitecustomize.py), reports Ready from the container's HTTP
-readiness probe, restarts exited containers, and on pod deletion sends SIGTERM, waits out the grace period and
-then removes the pod. It publishes Services' endpoints and makes each Service reachable from this machine on a
-loopback address (services.py; the Service's annotation slofleet.dev/local-url says where). Images, init
-containers, resource limits and security contexts are ignored: this is no kubelet, only enough of one for
-operator, autoscaler and router tests against real processes.
+readiness probe (HTTP, or exec every periodSeconds), restarts exited containers, and on pod deletion sends SIGTERM,
+waits out the grace period and then removes the pod. Init containers run first, one after another, each to a clean
+exit (sharing the pod's volumes: an emptyDir is one folder). The peer runtimes' image commands that the operator
+renders (`vllm serve`, `/app/llama-server`) run the installs `make install-runtimes` cached, through their
+launchers; such servers get their pod address from `--host $(POD_IP)` in their args. Env and downwardAPI
+`resourceFieldRef`s see the container's requests and limits. It publishes Services' endpoints and makes each
+Service reachable from this machine on a loopback address (services.py; the Service's annotation
+slofleet.dev/local-url says where). Images, resource enforcement and security contexts are ignored: this is no
+kubelet, only enough of one for operator, autoscaler and router tests against real processes.
 
 Usage: KUBECONFIG=... python noderunner.py --state-dir DIR   (commands resolve in this process's PATH)
 """
@@ -29,7 +33,10 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from localproc import Container, now  # beside this script
 from services import Services
-from volumes import Missing, PodVolumes
+from volumes import ALLOCATABLE, Missing, PodVolumes, resource_field
+
+from slofleet.bench import runtimes
+from slofleet.operator.runtimes import COMMAND
 
 NODE = "slofleet-node"
 PODNET = str(Path(__file__).resolve().parent / "podnet")  # its sitecustomize gives each pod its own wildcard address
@@ -47,9 +54,15 @@ class Pod:
     ip: str
     volumes: PodVolumes
     containers: list[Container] = field(default_factory=list)
+    inits: list[Container] = field(default_factory=list)
+    inits_done: int = 0  # how many init containers have exited 0, in order
+    built: bool = False  # its containers are made (volumes and env resolved)
     reported: dict = field(default_factory=dict)
     waiting: str = ""  # why its containers cannot start yet
     refreshed: float = 0.0
+
+    def every(self) -> list[Container]:
+        return [*self.inits, *self.containers]
 
 
 def resolve_env(pod: dict, container: dict, ip: str, vols: PodVolumes, local: dict[str, str],
@@ -74,6 +87,8 @@ def resolve_env(pod: dict, container: dict, ip: str, vols: PodVolumes, local: di
         elif ref := vf.get("configMapKeyRef") or vf.get("secretKeyRef"):
             if (value := vols.key("configmaps" if "configMapKeyRef" in vf else "secrets", ref)) is not None:
                 env[var["name"]] = relocate(value, local)
+        elif ref := vf.get("resourceFieldRef"):
+            env[var["name"]] = resource_field(pod, ref, container["name"])
     return env | {"NODERUNNER_POD_IP": ip, "PYTHONPATH": os.pathsep.join(filter(None, [PODNET, env.get("PYTHONPATH")]))}
 
 
@@ -103,7 +118,7 @@ class Runner:
         self.heartbeat()
 
     def heartbeat(self) -> None:
-        cap = {"cpu": "64", "memory": "256Gi", "pods": "250", "nvidia.com/gpu": "8"}
+        cap = ALLOCATABLE
         status = {"capacity": cap, "allocatable": cap, "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
                   "conditions": [{"type": "Ready", "status": "True", "reason": "NodeRunnerReady",
                                   "message": "test-only node runner", "lastHeartbeatTime": now(),
@@ -120,27 +135,40 @@ class Runner:
     def new_pod(self, pod: dict) -> Pod:
         m = pod["metadata"]
         folder = self.state / f"{m['namespace']}_{m['name']}_{m['uid'][:8]}"
-        return Pod(m["uid"], m["namespace"], m["name"], self.allocate_ip(), PodVolumes(self.core, pod, folder,
+        folder.mkdir(parents=True, exist_ok=True)
+        # The pod's paths go through a short alias: a Unix socket's path must fit 107 bytes, and vLLM puts its
+        # sockets in TMPDIR, which is the pod's /tmp volume here.
+        short = self.state / m["uid"][:8]
+        if not short.is_symlink():
+            short.symlink_to(folder.name)
+        return Pod(m["uid"], m["namespace"], m["name"], self.allocate_ip(), PodVolumes(self.core, pod, short,
                                                                                        self.server))
 
-    def start_containers(self, p: Pod, pod: dict) -> None:
-        """Raises Missing (or the API's error) before starting anything if a volume or env var cannot be made."""
+    def build(self, p: Pod, pod: dict) -> None:
+        """Makes the pod's containers (started by tend, init containers first); raises Missing (or the API's error)
+        before making any if a volume or env var cannot be made."""
         p.volumes.refresh()
-        p.refreshed, folder = time.monotonic(), p.volumes.folder
-        (folder / "home").mkdir(exist_ok=True)
-        containers = []
+        p.refreshed = time.monotonic()
+        (p.volumes.folder / "home").mkdir(exist_ok=True)
         notes = self.core.read_namespace(p.namespace).metadata.annotations or {}
-        for c in pod["spec"]["containers"]:
-            local = p.volumes.mounts(c)
-            env = resolve_env(pod, c, p.ip, p.volumes, local, notes.get(PATH_ANNOTATION))
-            argv = [expand(relocate(a, local), env) for a in (c.get("command") or []) + (c.get("args") or [])]
-            if argv:
-                argv[0] = shutil.which(argv[0], path=env["PATH"]) or argv[0]
-            containers.append(Container(c["name"], argv, env, probe_url(c, p.ip), folder / f"{c['name']}.log",
-                                        folder / f"{c['name']}.pid"))
-        p.containers, p.waiting = containers, ""
-        for c in containers:
-            c.start()
+        made = {kind: [self.container(p, pod, c, notes.get(PATH_ANNOTATION)) for c in pod["spec"].get(kind) or []]
+                for kind in ("initContainers", "containers")}
+        p.inits, p.containers, p.built, p.waiting = made["initContainers"], made["containers"], True, ""
+
+    def container(self, p: Pod, pod: dict, c: dict, path: str | None) -> Container:
+        local, folder = p.volumes.mounts(c), p.volumes.folder
+        env = resolve_env(pod, c, p.ip, p.volumes, local, path)
+        argv = runtime_argv([expand(relocate(a, local), env) for a in (c.get("command") or []) + (c.get("args") or [])])
+        if argv:
+            argv[0] = shutil.which(argv[0], path=env["PATH"]) or argv[0]
+        out = Container(c["name"], argv, env, probe_url(c, p.ip), folder / f"{c['name']}.log",
+                        folder / f"{c['name']}.pid")
+        probe = c.get("readinessProbe") or {}
+        if command := (probe.get("exec") or {}).get("command"):
+            cmd = [relocate(a, local) for a in command]
+            out.probe_cmd = [shutil.which(cmd[0], path=env["PATH"]) or cmd[0], *cmd[1:]]
+            out.probe_period, out.probe_timeout = probe.get("periodSeconds", 10), probe.get("timeoutSeconds", 1)
+        return out
 
     def sync(self) -> None:
         # Raw JSON (camelCase, as in manifests) rather than the client's snake_case models.
@@ -161,7 +189,7 @@ class Runner:
                 p = self.pods[meta["uid"]] = self.pods.get(meta["uid"]) or self.new_pod(pod)
                 self.tend(p, pod)
         for uid in [u for u in self.pods if u not in seen]:  # removed behind our back
-            for c in self.pods.pop(uid).containers:
+            for c in self.pods.pop(uid).every():
                 c.stop(2)
         self.services.sync(pods)
 
@@ -177,17 +205,20 @@ class Runner:
 
     def tend(self, p: Pod, pod: dict) -> None:
         try:
-            if not p.containers:
-                self.start_containers(p, pod)
+            if not p.built:
+                self.build(p, pod)
             elif time.monotonic() - p.refreshed > REFRESH_SECONDS:
                 p.refreshed = time.monotonic()
                 p.volumes.refresh()
         except (Missing, ApiException) as e:
             # Not started yet: it waits (CreateContainerConfigError). Running: it keeps its files, as with the kubelet.
             why = str(e) if isinstance(e, Missing) else f"API: {e.status} {e.reason}"
-            if p.containers:
+            if p.built:
                 print(f"noderunner: {p.namespace}/{p.name}: volumes not refreshed: {why}", flush=True)
-            p.waiting = p.waiting if p.containers else why
+            p.waiting = p.waiting if p.built else why
+        if p.built and not self.initialize(p):
+            self.report(p, pod)
+            return
         for c in p.containers:
             if not c.running() and time.monotonic() >= c.next_start:
                 if c.proc is not None:  # it exited: back off, then start it again (restartPolicy Always)
@@ -199,29 +230,52 @@ class Runner:
             c.ready = c.probe()
         self.report(p, pod)
 
+    def initialize(self, p: Pod) -> bool:
+        """Runs the init containers one after another, each until it exits 0 (a failed one again after a back-off, as
+        under restartPolicy Always); True once all have, and the other containers may start."""
+        while p.inits_done < len(p.inits):
+            c = p.inits[p.inits_done]
+            if c.proc is None:
+                if time.monotonic() >= c.next_start:
+                    c.start()
+                return False
+            if (rc := c.exited()) is None:
+                return False
+            if rc == 0:
+                p.inits_done += 1
+                continue
+            print(f"noderunner: {p.namespace}/{p.name}: init container {c.name} exited {rc}", flush=True)
+            c.restarts, c.proc = c.restarts + 1, None
+            c.next_start = time.monotonic() + min(10, 2 ** min(c.restarts, 4))
+            return False
+        return True
+
     def report(self, p: Pod, pod: dict) -> None:
-        ready = bool(p.containers) and all(c.ready for c in p.containers)
-        statuses = [{"name": c.name, "ready": c.ready, "started": c.running(), "restartCount": c.restarts,
-                     "image": next(x["image"] for x in pod["spec"]["containers"] if x["name"] == c.name),
-                     "imageID": "", "containerID": f"local-process://{c.proc.pid if c.proc else 0}",
-                     "state": {"running": {"startedAt": c.started_at}} if c.running()
-                     else {"waiting": {"reason": "CrashLoopBackOff" if c.restarts else "ContainerCreating"}}}
+        initialized = p.built and p.inits_done == len(p.inits)
+        ready = initialized and bool(p.containers) and all(c.ready for c in p.containers)
+        spec = pod["spec"]
+        images = {x["name"]: x["image"] for x in [*spec["containers"], *(spec.get("initContainers") or [])]}
+        statuses = [status(c, images[c.name], "ContainerCreating" if initialized else "PodInitializing")
                     for c in p.containers] or [
             {"name": x["name"], "ready": False, "started": False, "restartCount": 0, "image": x["image"], "imageID": "",
              "state": {"waiting": {"reason": "CreateContainerConfigError", "message": p.waiting}}}
             for x in pod["spec"]["containers"]]
-        key = (ready, p.waiting, tuple((s["ready"], s["started"], s["restartCount"]) for s in statuses))
+        inits = [status(c, images[c.name], "PodInitializing", done=i < p.inits_done) for i, c in enumerate(p.inits)]
+        key = (ready, p.waiting, p.inits_done,
+               tuple((s["ready"], s["started"], s["restartCount"]) for s in [*statuses, *inits]))
         if p.reported.get("key") == key:
             return
         t = now()
         conds = [{"type": type_, "status": "True" if ok else "False", "lastTransitionTime": t} for type_, ok in
-                 [("PodScheduled", True), ("Initialized", True), ("ContainersReady", ready), ("Ready", ready)]]
-        status = {"phase": "Running" if p.containers else "Pending", "hostIP": "127.0.0.1",
-                  "hostIPs": [{"ip": "127.0.0.1"}], "podIP": p.ip, "podIPs": [{"ip": p.ip}],
-                  "startTime": p.reported.get("start", t), "containerStatuses": statuses, "conditions": conds}
+                 [("PodScheduled", True), ("Initialized", initialized), ("ContainersReady", ready), ("Ready", ready)]]
+        status_ = {"phase": "Running" if initialized else "Pending", "hostIP": "127.0.0.1",
+                   "hostIPs": [{"ip": "127.0.0.1"}], "podIP": p.ip, "podIPs": [{"ip": p.ip}],
+                   "startTime": p.reported.get("start", t), "containerStatuses": statuses, "conditions": conds}
+        if inits:
+            status_["initContainerStatuses"] = inits
         try:
-            self.core.patch_namespaced_pod_status(p.name, p.namespace, {"status": status})
-            p.reported.update(key=key, start=status["startTime"])
+            self.core.patch_namespaced_pod_status(p.name, p.namespace, {"status": status_})
+            p.reported.update(key=key, start=status_["startTime"])
         except ApiException as e:
             if e.status != 404:
                 raise
@@ -230,7 +284,7 @@ class Runner:
         meta = pod["metadata"]
         p = self.pods.pop(meta["uid"], None)
         grace = pod["spec"].get("terminationGracePeriodSeconds") or 30
-        for c in p.containers if p else []:
+        for c in p.every() if p else []:
             c.stop(grace)
         try:
             self.core.delete_namespaced_pod(meta["name"], meta["namespace"], grace_period_seconds=0,
@@ -242,9 +296,36 @@ class Runner:
 
     def shutdown(self, *_) -> None:
         for p in self.pods.values():
-            for c in p.containers:
+            for c in p.every():
                 c.stop(5)
         raise SystemExit(0)
+
+
+def status(c: Container, image: str, waiting: str, done: bool = False) -> dict:
+    """A container's status; `waiting` is why one that has not started waits; `done`: an init container that has
+    exited 0."""
+    if done:
+        state = {"terminated": {"exitCode": 0, "reason": "Completed", "startedAt": c.started_at}}
+    elif c.running():
+        state = {"running": {"startedAt": c.started_at}}
+    else:
+        state = {"waiting": {"reason": "CrashLoopBackOff" if c.restarts else waiting}}
+    return {"name": c.name, "ready": c.ready or done, "started": c.running(), "restartCount": c.restarts,
+            "image": image, "imageID": "", "containerID": f"local-process://{c.proc.pid if c.proc else 0}",
+            "state": state}
+
+
+def runtime_argv(argv: list[str]) -> list[str]:
+    """A peer runtime's image command as the operator renders it (`vllm serve ...`) as its cached install's launcher
+    with the same arguments; unchanged where none matches or the runtime is not installed (it then fails to start,
+    with the reason in the runner's log)."""
+    for runtime, command in COMMAND.items():
+        if argv[:len(command)] == command:
+            if (path := runtimes.launcher(runtime)) is None:
+                print(f"noderunner: {runtimes.missing_reason(runtime)}", flush=True)
+                return argv
+            return [str(path), *argv[len(command):]]
+    return argv
 
 
 def probe_url(container: dict, ip: str) -> str | None:
@@ -259,10 +340,10 @@ def probe_url(container: dict, ip: str) -> str | None:
 
 def relocate(text: str, local: dict[str, str]) -> str:
     # One pass, longest mount first: a local folder (under /tmp) must not be rewritten again by a /tmp mount;
-    # a whole path component only (/tmp, not /tmpfs).
+    # a whole path from its start only (/tmp, not /tmpfs; /models, not the /models of a URL's /v1/models).
     if not local:
         return text
-    pattern = "(?:" + "|".join(re.escape(m) for m in sorted(local, key=len, reverse=True)) + r")(?![\w.-])"
+    pattern = r"(?<![\w./-])(?:" + "|".join(re.escape(m) for m in sorted(local, key=len, reverse=True)) + r")(?![\w.-])"
     return re.sub(pattern, lambda m: local[m.group(0)], text)
 
 

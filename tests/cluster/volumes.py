@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -21,8 +22,11 @@ from urllib.parse import urlsplit
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from kubernetes.utils import parse_quantity
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+# What the node offers pods; also what a container without a limit sees as its limit (the kubelet's default).
+ALLOCATABLE = {"cpu": "64", "memory": "256Gi", "pods": "250", "nvidia.com/gpu": "8"}
 
 
 class Missing(Exception):
@@ -120,7 +124,9 @@ class PodVolumes:
                   "metadata.labels": "\n".join(f'{k}="{x}"' for k, x in sorted((m.get("labels") or {}).items())),
                   "metadata.annotations": "\n".join(f'{k}="{x}"'
                                                     for k, x in sorted((m.get("annotations") or {}).items()))}
-        return {i["path"]: fields.get(i["fieldRef"]["fieldPath"], "").encode() for i in items if "fieldRef" in i}
+        out = {i["path"]: fields.get(i["fieldRef"]["fieldPath"], "").encode() for i in items if "fieldRef" in i}
+        return out | {i["path"]: resource_field(self.pod, i["resourceFieldRef"]).encode()
+                      for i in items if "resourceFieldRef" in i}
 
     def token(self, src: dict) -> bytes:
         key = (src.get("audience"), src.get("expirationSeconds", 3600))
@@ -186,3 +192,17 @@ class PodVolumes:
         path = self.folder / f"{sa}.kubeconfig"
         path.write_text(json.dumps(kubeconfig, indent=1))  # JSON is YAML
         return env | {"KUBECONFIG": str(path)}
+
+
+def resource_field(pod: dict, ref: dict, container: str | None = None) -> str:
+    """A resourceFieldRef's value as the kubelet gives it: the named container's (in env, by default the one it is
+    set in) request or limit in whole `divisor`s, rounded up; an unset limit is the node's allocatable, an unset
+    request 0 (the API server has already copied a limit into an unset request)."""
+    name = ref.get("containerName") or container
+    spec = pod["spec"]
+    c = next(x for x in [*spec["containers"], *(spec.get("initContainers") or [])] if x["name"] == name)
+    kind, _, resource = ref["resource"].partition(".")
+    value = ((c.get("resources") or {}).get(kind) or {}).get(resource)
+    if value is None:
+        value = ALLOCATABLE.get(resource, "0") if kind == "limits" else "0"
+    return str(math.ceil(parse_quantity(str(value)) / parse_quantity(str(ref.get("divisor") or "1"))))

@@ -83,7 +83,7 @@ def test_outside_the_model_behind_a_slow_relay(shared, tmp_path):
     assert (v["slow_clock"], v["bucket"], v["dominant"]) == ("ttft", "relayed", "outside_model"), v
     means = v["evidence"]["mean_ms"]
     assert means["router_ttfb"] - means["ttft"] > 1000  # the relay's hold, not the engine's time
-    assert v["evidence"]["clocks"]["ttft"]["series"] == "slofleet:router_time_to_first_byte_seconds"
+    assert v["evidence"]["clocks"]["ttft"]["series"] == "slofleet:router_time_to_first_token_seconds"
 
 
 def test_queue_dominated(tmp_path):

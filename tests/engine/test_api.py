@@ -122,10 +122,12 @@ def test_streamed_logprobs_are_those_of_the_whole_answer(client):
     (dict(temperature=-1), "temperature: must be in [0, 2]"),
     (dict(top_p=0), "top_p: must be in (0, 1]"),
     (dict(max_tokens=0), "max_tokens: must be >= 1"),
-    (dict(n=2), "unsupported parameter(s): n"),
-    (dict(logit_bias={"50": 1}), "unsupported parameter(s): logit_bias"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-     "unsupported parameter(s): tools"),
+    (dict(n=0), "n: must be in [1, 128]"),
+    (dict(logit_bias={"x": 1}), "logit_bias: keys must be token ids"),
+    (dict(logit_bias={"50": 101}), "logit_bias: values must be numbers in [-100, 100]"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+          tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice names function 'g'"),
+    (dict(tool_choice="required"), "tool_choice 'required' needs tools"),
     (dict(max_tokens=600), "exceeds the context of 512 tokens"),
 ])
 def test_bad_input_is_400_with_message(client, kwargs, needle):

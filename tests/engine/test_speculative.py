@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from slofleet.engine.sampling_params import SamplingParams
-from slofleet.engine.scheduler import Scheduler
+from slofleet.engine.scheduler import MIN_PROMPT_CHUNK, Scheduler
 from slofleet.engine.speculative import Speculator, propose
 
 from .builders import finish, make_request, make_scheduler
@@ -186,7 +186,7 @@ def test_draft_tokens_come_out_of_a_tpot_bounded_prompt_budget():
     decodes = [make_request(8, max_tokens=10) for _ in range(4)]
     for r in decodes:
         r.tpot, r.draft = 0.1, [1, 2]
-    assert sched.prompt_budget(512, decodes) == 512  # nothing learnt yet: no bound
+    assert sched.prompt_budget(512, decodes) == MIN_PROMPT_CHUNK  # nothing learnt yet: small chunks
     for seqs in range(1, 49):  # exact costs: 10 ms a step, 1 ms a sequence, 0.2 ms a prompt token
         for prompt in (0, 64, 256):
             sched.cost.observe(seqs, prompt, 0.010 + 0.001 * seqs + 0.0002 * prompt)

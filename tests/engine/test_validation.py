@@ -138,7 +138,7 @@ def test_priority_within_int32(server):
 
 def test_n_and_user(server):
     chat(server, ["n"], n=0)
-    chat(server, ["unsupported", "n"], n=2)
+    chat(server, ["n", "[1, 128]"], n=129)
     chat(server, ["user", "256"], user="u" * 257)
     chat(server, ["user", "string"], user=5)
 
@@ -146,7 +146,7 @@ def test_n_and_user(server):
 def test_message_roles_and_content_parts(server):
     def messages(*msgs):
         return {"messages": list(msgs)}
-    chat(server, ["messages.0.role"], **messages({"role": "tool", "content": "x"}))
+    chat(server, ["messages.0.role"], **messages({"role": "function", "content": "x"}))
     chat(server, ["messages.0.content", "'image_url'", "not supported"], **messages({"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}))
     chat(server, ["messages.0.content", "part 0", "string"],

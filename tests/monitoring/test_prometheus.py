@@ -26,10 +26,12 @@ MODEL = "SmolLM2-135M-Instruct"
 # Targets whose event this single-process test cannot provoke, and why: each must come back empty, so that a test
 # that starts to provoke one is updated with it.
 NOT_PROVOKED = {
-    "slofleet:router_retries_total": "a retry needs a replica that fails before its first byte",
+    # a retry needs a replica that fails before its first byte, or a try past its own limit on a loaded machine
+    "slofleet:router_retries_total": "may or may not happen here",
     "slofleet:router_streams_cut_total": "a cut stream needs a replica that dies mid-stream",
     "slofleet:router_held_requests": "the router holds requests only while no replica is ready",
 }
+MAY_BE_PROVOKED = {"slofleet:router_retries_total"}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ async def traffic(router: str, engine: str) -> None:
 
         same = "Tell me about lighthouses on the northern coast and the keepers who lived there."
         assert await one("chat", same, 4, temperature=0) == 200
-        assert await one("chat", same, 4, temperature=0) == 200
+        assert await one("chat", same, 4, temperature=0, stream=True) == 200  # the router's TPOT is a stream's
         burst = [one("doc" if i % 2 else "chat", f"Write a long letter to friend number {i}.", 40,
                      temperature=0.7 if i % 3 else 0) for i in range(14)]
         codes = await asyncio.gather(*burst)
@@ -153,7 +155,7 @@ def test_a_real_prometheus_answers_every_dashboard_query(groups, tmp_path):
                  if not has_data(prom.query_range(expr, start, time.time()))}
         missing = {e: t for e, t in empty.items() if not any(n in e for n in NOT_PROVOKED)}
         assert not missing, f"dashboard queries without data: {missing}"
-        provoked = [n for n in NOT_PROVOKED if not any(n in e for e in empty)]
+        provoked = [n for n in NOT_PROVOKED if not any(n in e for e in empty) and n not in MAY_BE_PROVOKED]
         assert not provoked, f"provoked now: take {provoked} out of NOT_PROVOKED"
         # the recording rules ran: the 5m bad-request ratio of chat's 40 ms TTFT target
         assert has_data(prom.query('slofleet:slo_bad_requests:ratio_rate5m{bucket="chat", clock="ttft"}'))

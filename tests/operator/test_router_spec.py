@@ -51,17 +51,31 @@ def test_admission_limits_are_divided_among_the_router_replicas_and_shown_in_sta
     s = svc({"buckets": [DOC, {"name": "chat", "slo": {"ttftMs": 500}}], "router": {"replicas": 3}})
     policy = json.loads(build(s)["ConfigMap/s-engine"]["data"]["policy.json"])
     assert policy["buckets"][0]["admission"] == {"maxWaitingRequests": 5, "maxQueuedTokens": 21845,
-                                                 "maxRequestsPerSecond": 1.0}
-    assert policy["buckets"][1]["admission"] == {}
+                                                 "maxRequestsPerSecond": 1.0, "mode": "slo-predicted"}
+    assert policy["buckets"][1]["admission"] == {"mode": "slo-predicted"}
     shown = [a.wire() for a in children.router_admission(s, s.spec.buckets)]
-    assert shown == [{"name": "doc", **policy["buckets"][0]["admission"]}]
+    assert shown == [{"name": "doc", **{k: v for k, v in policy["buckets"][0]["admission"].items() if k != "mode"}}]
     assert status.status_patch({}, 1, "e", [], "t", [], shown)["routerAdmission"] == shown
     # One router holds the whole limit; a limit smaller than the replicas still admits one per router.
     one = svc({"buckets": [DOC]})
     assert json.loads(build(one)["ConfigMap/s-engine"]["data"]["policy.json"])["buckets"][0]["admission"] == \
-        {"maxWaitingRequests": 16, "maxQueuedTokens": 65536, "maxRequestsPerSecond": 3.0}
+        {"maxWaitingRequests": 16, "maxQueuedTokens": 65536, "maxRequestsPerSecond": 3.0, "mode": "slo-predicted"}
     tiny = svc({"buckets": [{**DOC, "admission": {"maxWaitingRequests": 1}}], "router": {"replicas": 4}})
     assert children.router_admission(tiny, tiny.spec.buckets)[0].max_waiting_requests == 1
+
+
+def test_each_bucket_s_admission_mode_is_rendered_for_the_router():
+    """SLO-predicted by default where there is a TTFT target, fixed where there is none; a mode set stays."""
+    s = svc({"buckets": [{"name": "chat", "slo": {"ttftMs": 500}},
+                         {"name": "batch", "priority": 5, "match": {"header": {"x-tier": "batch"}},
+                          "slo": {"e2eMs": 60000}},
+                         {"name": "bulk", "priority": 9, "match": {"route": "/v1/completions"},
+                          "slo": {"ttftMs": 9000}, "admission": {"mode": "off"}}]})
+    policy = json.loads(build(s)["ConfigMap/s-engine"]["data"]["policy.json"])
+    assert [b["admission"]["mode"] for b in policy["buckets"]] == ["slo-predicted", "fixed", "off"]
+    with pytest.raises(ValidationError, match="mode"):
+        LLMService.model_validate({"spec": {"buckets": [{"name": "x", "slo": {"ttftMs": 1},
+                                                         "admission": {"mode": "sometimes"}}]}})
 
 
 def test_more_than_one_gpu_is_refused_with_what_to_do():

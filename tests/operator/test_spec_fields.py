@@ -16,6 +16,7 @@ LOGIC = "tests/operator/test_reconcile_logic.py"
 FLAGS = "tests/operator/test_engine_flags.py::test_a_non_default_value_reaches_its_flag"
 ROUTER = "tests/operator/test_router_spec.py"
 ROUTING = "tests/router/test_units.py::test_classify_from_an_llmservice"
+ASKS = "tests/router/test_bucket_rules.py::test_buckets_select_on_tools_and_structured_outputs"
 DECIDE = "tests/autoscaler/test_spec_decisions.py"
 STATUS = "tests/autoscaler/test_attainment.py"
 GATEWAY = "tests/operator/test_gateway.py"
@@ -73,6 +74,8 @@ FIELDS = {
     "buckets[].match.maxOutputTokens": ROUTING,
     "buckets[].match.header": ROUTING,
     "buckets[].match.route": ROUTING,
+    "buckets[].match.tools": ASKS,
+    "buckets[].match.structured": ASKS,
     "buckets[].slo.percentile": f"{DECIDE}::test_each_bucket_is_judged_at_its_own_percentile",
     "buckets[].slo.ttftMs": f"{STATUS}::test_few_requests_in_several_buckets_each_get_their_figures",
     "buckets[].slo.tpotMs": f"{DECIDE}::test_a_bucket_over_its_tpot_target_is_a_miss",
@@ -80,6 +83,7 @@ FIELDS = {
     "buckets[].admission.maxWaitingRequests": "tests/router/test_units.py::test_admission_limits_and_shedding_order",
     "buckets[].admission.maxQueuedTokens": "tests/router/test_bucket_rules.py::test_the_queued_tokens_limit",
     "buckets[].admission.maxRequestsPerSecond": "tests/router/test_units.py::test_requests_per_second_limit",
+    "buckets[].admission.mode": "tests/router/test_admission.py::test_modes_decide_who_the_prediction_refuses",
     "autoscaling.enabled": f"{LOGIC}::test_replicas_follow_one_writer_and_the_bounds",
     "autoscaling.signals": f"{DECIDE}::test_signals_name_what_adds_replicas",
     "autoscaling.intervalSeconds": "tests/autoscaler/test_actuate.py::"

@@ -65,3 +65,33 @@ def test_the_catch_all_bucket_has_the_contracts_default_name():
     named = parse_buckets([{"name": "chat", "match": {"maxPromptTokens": 100}}])
     assert [b.name for b in named] == ["chat", DEFAULT_BUCKET]
     assert parse_buckets([{"name": "all"}])[-1].name == "all"  # a catch-all of its own: none added
+
+
+@pytest.mark.parametrize("body, bucket", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "agent"),
+    ({"tools": []}, "chat"),  # an empty list sends no tools
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "json"),
+    ({"response_format": {"type": "json_object"}}, "json"),
+    ({"response_format": {"type": "text"}}, "chat"),
+    ({"guided_regex": "[a-z]+"}, "json"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "json"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}},
+     "agent"),  # the first bucket that matches wins
+    ({}, "chat"),
+])
+def test_buckets_select_on_tools_and_structured_outputs(body, bucket):
+    from slofleet.router.buckets import asks_of
+    c = Classifier(parse_buckets([{"name": "agent", "match": {"tools": True}},
+                                  {"name": "json", "match": {"structured": True}},
+                                  {"name": "chat", "match": {"tools": False, "structured": False}},
+                                  {"name": "other"}]))
+    assert c.classify(20, 50, {}, "/v1/chat/completions", asks_of(body)).name == bucket
+
+
+def test_the_crd_validates_the_new_match_fields():
+    from pydantic import ValidationError
+
+    from slofleet.api.v1alpha1 import Match
+    assert Match.model_validate({"tools": True, "structured": False}).tools is True
+    with pytest.raises(ValidationError, match="tools"):
+        Match.model_validate({"tools": "maybe"})

@@ -105,7 +105,7 @@ def test_no_first_byte_in_time_is_a_504_and_aborts_the_engine_request(router, en
 
 def test_a_stream_that_goes_quiet_ends_with_an_error_event(router, engine):
     lines, took = events(router, chat(stall=5))
-    assert took < 4 and len(lines) == 2 and "[DONE]" not in lines
+    assert took < 4 and len(lines) == 3 and lines[2] == "[DONE]"  # the error, then the stream's usual end
     error = json.loads(lines[1])["error"]
     assert error["code"] == 504 and "nothing for 1 s" in error["message"]
 
@@ -113,7 +113,7 @@ def test_a_stream_that_goes_quiet_ends_with_an_error_event(router, engine):
 def test_a_replica_failing_mid_stream_ends_it_with_an_error_event(router, engine):
     engine.cut = True
     lines, _ = events(router, chat())
-    assert len(lines) == 2 and json.loads(lines[0])["port"] == engine.port
+    assert len(lines) == 3 and json.loads(lines[0])["port"] == engine.port and lines[2] == "[DONE]"
     assert json.loads(lines[1])["error"]["code"] == 502
     m = router.metrics()
     assert m["slofleet:router_streams_cut_total{bucket=default,reason=replica_failed}"] >= 1
@@ -225,7 +225,8 @@ def test_sigterm_drains_then_exits(tmp_path):
         for t in threads:
             t.join(20)
         assert results["finishes"][-1] == "data: [DONE]"
-        assert len(results["cut"]) == 2 and "shutting down" in json.loads(results["cut"][1][6:])["error"]["message"]
+        assert len(results["cut"]) == 3 and results["cut"][2] == "data: [DONE]"
+        assert "shutting down" in json.loads(results["cut"][1][6:])["error"]["message"]
         r.proc.wait(10)
         assert 3 < time.monotonic() - t0 < 10  # the drain delay, then the grace period
     finally:

@@ -77,6 +77,7 @@ def test_a_full_replica_is_skipped_for_the_next_and_frees_its_count():
 
 
 def test_every_replica_refusing_answers_the_last_refusal():
-    got, replicas, _ = open_with({A: Answer(503, b'{"e": 1}'), B: Answer(503, b'{"e": 2}')})
+    # each taken out: the request waits (hold_timeout) for one to come back, then answers the last refusal
+    got, replicas, _ = open_with({A: Answer(503, b'{"e": 1}'), B: Answer(503, b'{"e": 2}')}, hold_timeout=0.3)
     assert isinstance(got, Failed) and got.status == 503 and got.body in (b'{"e": 1}', b'{"e": 2}')
     assert all(r.inflight == 0 and not r.ready for r in replicas.replicas.values())  # a 503 takes it out

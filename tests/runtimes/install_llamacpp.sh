@@ -17,7 +17,8 @@ fi
 start=$(date +%s)
 command -v cmake >/dev/null && command -v g++ >/dev/null || {
   log "installing cmake and g++ (apt-get)"
-  apt-get update -qq >&2 && apt-get install -y -qq cmake g++ >&2
+  # one apt-get at a time: .ci/run installs both runtimes at once
+  flock /tmp/slofleet-apt.lock sh -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++" >&2
 }
 work="$root/.build-llamacpp-b$version"
 rm -rf "$work" && mkdir -p "$work"

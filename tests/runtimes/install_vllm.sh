@@ -26,7 +26,8 @@ start=$(date +%s)
 tcmalloc="$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null || true)"
 if [[ -z "$tcmalloc" ]]; then
   log "installing tcmalloc (apt-get libtcmalloc-minimal4)"
-  apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >&2
+  # one apt-get at a time: .ci/run installs both runtimes at once
+  flock /tmp/slofleet-apt.lock sh -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4" >&2
   tcmalloc=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 fi
 mkdir -p "$dir"

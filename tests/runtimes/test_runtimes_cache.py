@@ -61,8 +61,8 @@ def test_command_lines_carry_the_shared_shape(cache):
     assert v.cmd[-1] == "--enforce-eager" and v.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert v.url == "http://127.0.0.1:9001" and v.model == "m"
     ll = runtimes.llamacpp(9002, cache / "m.gguf", shape)
-    assert ll.cmd[ll.cmd.index("--parallel") + 1] == "7" and ll.cmd[ll.cmd.index("--alias") + 1] == "m"
-    assert "--metrics" in ll.cmd and int(ll.cmd[ll.cmd.index("--ctx-size") + 1]) >= 1000
+    assert ll.cmd[ll.cmd.index("-np") + 1] == "7" and ll.cmd[ll.cmd.index("--alias") + 1] == "m"
+    assert "--metrics" in ll.cmd and int(ll.cmd[ll.cmd.index("-c") + 1]) >= 1000
 
 
 def test_start_reports_a_server_that_exits(cache, tmp_path):
@@ -70,3 +70,31 @@ def test_start_reports_a_server_that_exits(cache, tmp_path):
                               model="m")
     with pytest.raises(RuntimeError, match="exited with 3"):
         runtimes.start(launch, tmp_path / "x.log", timeout=30)
+
+
+def node_runner():
+    """tests/cluster/noderunner.py, which imports its neighbours as a script does."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+    import noderunner
+
+    return noderunner
+
+
+@pytest.mark.parametrize("runtime", [runtimes.VLLM, runtimes.LLAMACPP])
+def test_the_node_runner_runs_the_operators_pod_from_the_cache(cache, runtime):
+    from slofleet.api.v1alpha1 import LLMService
+    from slofleet.operator.runtimes import engine_pod
+
+    runner = node_runner()
+    svc = LLMService.model_validate({"metadata": {"name": "s", "namespace": "n"},
+                                     "spec": {"engine": {"runtime": runtime}}})
+    c = engine_pod(svc).container
+    assert runner.runtime_argv(c["command"] + c["args"]) == c["command"] + c["args"]  # not installed: as rendered
+    home = fake_vllm(cache, "0.1.0") if runtime == runtimes.VLLM else fake_llamacpp(cache)
+    argv = runner.runtime_argv(c["command"] + c["args"])
+    assert argv == [str(runtimes.launcher(runtime)), *c["args"]] and Path(argv[0]).parent == home
+    host = argv[argv.index("--host") + 1]
+    assert runner.expand(host, {"POD_IP": "127.0.1.7"}) == "127.0.1.7"  # each pod's own address, from the env
+    assert runner.runtime_argv(["slofleet", "serve"]) == ["slofleet", "serve"]

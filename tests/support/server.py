@@ -104,6 +104,17 @@ class Server:
 
 
 @contextlib.contextmanager
+def serving(*flags: str, log: Path) -> Iterator[Server]:
+    """A `slofleet serve` with these flags, ready, stopped on the way out (a module fixture's whole body)."""
+    srv = Server(*flags, log=log)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@contextlib.contextmanager
 def prefill_decode_pair(folder: Path, *flags: str) -> Iterator[tuple[Server, Server]]:
     """A prefill and a decode engine process of one service (sharing its internal token), both ready; stopped on
     exit."""

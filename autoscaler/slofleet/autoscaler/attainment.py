@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from slofleet.api.v1alpha1 import Bucket, BucketStatus
 
+from .admissions import Admissions
 from .diagnose import shares
 from .signals import HISTOGRAMS, Histogram, RoleSignals
 
@@ -74,7 +75,7 @@ def dominant(clock: str, means: dict[str, float]) -> str:
 
 
 def bucket_status(b: Bucket, hists: Hists, window_s: float, when: str,
-                  means: dict[str, float] | None = None) -> BucketStatus:
+                  means: dict[str, float] | None = None, counted: Admissions | None = None) -> BucketStatus:
     """One bucket's entry: requests finished in the window, and for each target it sets the share within it and
     the latency at the bucket's own percentile. Met when the least-met target's share reaches the percentile."""
     got = {kind: hists.get(kind, {}).get(b.name) for kind in KINDS}
@@ -93,6 +94,9 @@ def bucket_status(b: Bucket, hists: Hists, window_s: float, when: str,
         figures |= {"attainment": round(within[worst], 4), "met": within[worst] >= q}
         if within[worst] < q and means:
             figures["dominant"] = dominant(worst, means)
+    if counted is not None:  # the routers' admission in the window
+        figures |= {"admitted": round(counted.admitted.get(b.name, 0.0)),
+                    "refused": {r: round(n) for r, n in counted.refused.get(b.name, {}).items() if round(n)}}
     return BucketStatus(name=b.name, window_seconds=round(window_s), requests=round(requests),
                         percentile=b.slo.percentile, time=when, **figures)
 

@@ -114,6 +114,8 @@ def report(v: dict) -> str:
     lines = []
     if v["bucket"] is None:
         lines.append("every bucket meets its SLO")
+    elif v["slow_clock"] is None:  # met, but refused at admission
+        lines += [f"refused at admission: bucket {v['bucket']}", "next:", *(f"  - {a}" for a in v["actions"])]
     else:
         e = v["evidence"]
         c = e["clocks"][v["slow_clock"]]
@@ -123,12 +125,15 @@ def report(v: dict) -> str:
                   + ", ".join(f"{k} {s:.0%}" for k, s in e["shares"].items()) + ")",
                   "evidence: " + ", ".join(f"{k} {x:g} ms" for k, x in e["mean_ms"].items()) + " (means)",
                   "          " + ", ".join(f"{k} {e[k]:g}" for k in FIGURES if e[k] is not None),
+                  *([f"engine ({e['runtime']}): " + ", ".join(f"{k} {w}" for k, w in e["not_exported"].items())]
+                    if e["not_exported"] else []),
                   "next:", *(f"  - {a}" for a in v["actions"])]
     lines.append("buckets:")
     for b in v["buckets"]:
         clocks = ", ".join(f"{k} p{b['percentile']:g} {c['p_ms']:g}/{c['target_ms']} ms"
                            for k, c in b["clocks"].items())
         state = "no requests" if b["met"] is None else "met" if b["met"] else f"missed ({b['dominant']})"
+        state += f", {b['router_refused']:g} refused at admission" if b["router_refused"] else ""
         lines.append(f"  {b['name']}: {b['requests']} requests, {clocks or 'no targets observed'}: {state}")
     return "\n".join(lines)
 

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 from kubernetes.client.rest import ApiException
 
-from slofleet.api.contract import PREFILL, ROLE_LABEL, ROUTER, SERVICE_LABEL, now, parse_time, pod_url
+from slofleet.api.contract import PREFILL, ROLE_LABEL, ROUTER, SERVICE_LABEL, SLOFLEET, now, parse_time, pod_url
 from slofleet.api.v1alpha1 import BucketStatus, LLMService, RoleAutoscaling, SLOPolicy
 
-from . import actuate, attainment
+from . import actuate, admissions, attainment
 from .kube import Kube
 from .policy import Decision, Fleet, Policy, PolicyConfig
 from .signals import History, RoleSignals, merge
-from .sources import federate, held_requests, scrape
+from .sources import federate, held_requests, router_admissions, scrape
 
 STATUS_INTERVAL_S = 30  # status.buckets is read at least this often, so a bucket's first requests show within 60 s
 
@@ -41,11 +41,24 @@ class ServiceState:
     decide_due: float = 0.0  # next scaling decision (spec.autoscaling.intervalSeconds)
     buckets: list[BucketStatus] | None = None  # status.buckets as this process last wrote it
     buckets_at: float = 0.0
+    ledger: admissions.Ledger | None = None  # the routers' admission counts over the status window
 
 
 def ready(pod: dict) -> bool:
     conds = (pod.get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conds) and bool(pod["status"].get("podIP"))
+
+
+def started(pods: list[dict]) -> dict[str, float]:
+    """pod name -> its start time, for the pods that have one."""
+    return {p["metadata"]["name"]: parse_time(p["status"]["startTime"])
+            for p in pods if (p.get("status") or {}).get("startTime")}
+
+
+def with_clocks(sig: RoleSignals, clocks: RoleSignals | None) -> RoleSignals:
+    """An engine's signals with the router's SLO clocks in place of its own (none: without clocks)."""
+    return dataclasses.replace(sig, ttft=clocks.ttft if clocks else {}, itl=clocks.itl if clocks else {},
+                               e2e=clocks.e2e if clocks else {})
 
 
 def selector(service: str, role: str) -> str:
@@ -97,20 +110,23 @@ class Autoscaler:
         buckets = self.buckets(svc)
         held: float | None = None
         timeout = min(5.0, svc.spec.autoscaling.interval_seconds / 2)
+        clocks = self.clocks(svc, st, timeout)
+        counts = self.admissions(ns, name, st, timeout)
         for role, rs in actuate.settings(svc, buckets, self.base).items():
             pods = [p for p in self.kube.pods(ns, selector(name, role)) if not p["metadata"].get("deletionTimestamp")]
             up = [p for p in pods if ready(p)]
-            sigs = self.read(ns, name, role, up, timeout)
+            sigs = self.read(ns, name, role, up, timeout, svc.spec.engine.runtime)
             if role != PREFILL:  # a prefill engine serves the first half of requests a decode engine answers
-                started = {p["metadata"]["name"]: parse_time(p["status"]["startTime"])
-                           for p in pods if (p.get("status") or {}).get("startTime")}
-                for sig in sigs:
-                    st.observed.add(sig, started.get(sig.pod))
+                for sig in sigs:  # behind a router, the engines give the phases and the router the clocks
+                    st.observed.add(sig if clocks is None else with_clocks(sig, None), started(pods).get(sig.pod))
             if not on:
                 continue
             state = self.role_state(svc, st, role, rs)
             if sigs:
-                state.history.add(merge(role, min(s.t for s in sigs), sigs))
+                merged = merge(role, min(s.t for s in sigs), sigs)
+                merged = merged if clocks is None or role == PREFILL else with_clocks(merged, clocks)
+                merged.refused = counts.refused_by_bucket() if counts is not None else {}  # offered load
+                state.history.add(merged)
             if not decide:
                 continue
             fleet = Fleet(ready=len(up), starting=len(pods) - len(up))
@@ -122,11 +138,24 @@ class Autoscaler:
             self.record(raw, svc, role, state, d, fleet, t)
         self.report(svc, st, buckets)
 
-    def read(self, ns: str, name: str, role: str, up: list[dict], timeout: float) -> list[RoleSignals]:
+    def clocks(self, svc: LLMService, st: ServiceState, timeout: float) -> RoleSignals | None:
+        """With the router on, its pods' SLO clocks summed (none when no router answered: the clocks are the
+        router's or nobody's, never the engines' in between), each pod's also kept for status.buckets."""
+        if not svc.spec.router.enabled:
+            return None
+        ns, name = svc.metadata["namespace"], svc.metadata["name"]
+        pods = [p for p in self.kube.pods(ns, selector(name, ROUTER)) if not p["metadata"].get("deletionTimestamp")]
+        sigs = self.read(ns, name, ROUTER, [p for p in pods if ready(p)], timeout)
+        for sig in sigs:
+            st.observed.add(sig, started(pods).get(sig.pod))
+        return merge(ROUTER, min((s.t for s in sigs), default=time.time()), sigs)
+
+    def read(self, ns: str, name: str, role: str, up: list[dict], timeout: float,
+             runtime: str = SLOFLEET) -> list[RoleSignals]:
         """Each ready pod's signals (from Prometheus: each pod it has series of), named by pod."""
         if self.prometheus:
-            return federate(self.prometheus, ns, f"{name}-{role}", role, timeout)
-        sigs = [(p, scrape(pod_url(p), role, timeout)) for p in up]
+            return federate(self.prometheus, ns, f"{name}-{role}", role, timeout, runtime)
+        sigs = [(p, scrape(pod_url(p), role, timeout, runtime)) for p in up]
         return [dataclasses.replace(s, pod=p["metadata"]["name"]) for p, s in sigs if s is not None]
 
     def role_state(self, svc: LLMService, st: ServiceState, role: str, rs: actuate.RoleSettings) -> RoleState:
@@ -145,11 +174,27 @@ class Autoscaler:
         t, window = time.time(), st.observed.window_s
         hists = st.observed.delta(t)
         means = st.observed.phase_means()
-        entries = [attainment.bucket_status(b, hists, window, now(), means.get(b.name)) for b in buckets]
+        counted = st.ledger.window() if st.ledger is not None else None
+        entries = [attainment.bucket_status(b, hists, window, now(), means.get(b.name) or means.get(""), counted)
+                   for b in buckets]
         if attainment.same(st.buckets, entries) and t - st.buckets_at < self.resync_s:
             return
         self.kube.patch_status(svc.metadata["namespace"], svc.metadata["name"], attainment.status_patch(entries))
         st.buckets, st.buckets_at = entries, t
+
+    def admissions(self, ns: str, name: str, st: ServiceState, timeout: float) -> admissions.Admissions | None:
+        """The service's routers' admission counts, summed (None without a router that answered), kept for the
+        status window."""
+        routers = [p for p in self.kube.pods(ns, selector(name, ROUTER)) if ready(p)]
+        got = [a for a in (router_admissions(pod_url(p), timeout) for p in routers) if a is not None]
+        if not got:
+            return None
+        counts = got[0]
+        for a in got[1:]:
+            counts = counts.plus(a)
+        st.ledger = st.ledger or admissions.Ledger(self.status_window_s)
+        st.ledger.add(counts)
+        return counts
 
     def held(self, ns: str, name: str) -> float:
         """Requests the service's router pods hold for want of a replica (0 without router pods)."""

@@ -5,36 +5,56 @@ lengths, attainment) is the difference of two scrapes; gauges are read from the 
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from slofleet.api.contract import (
     DEFAULT_BUCKET,
-    E2E,
-    GENERATION_TOKENS,
-    ITL,
-    KV_USAGE,
-    NUM_RUNNING,
-    NUM_WAITING,
-    PREEMPTIONS,
-    PROMPT_TOKENS,
     QUEUED_PROMPT_TOKENS,
-    REQUEST_SUCCESS,
-    TTFT,
+    ROUTER,
+    ROUTER_E2E,
+    ROUTER_TPOT,
+    ROUTER_TTFT,
+    RUNTIME_METRICS,
+    SLOFLEET,
     Sample,
     parse_samples,
 )
 
-GAUGES = {NUM_WAITING: "waiting", NUM_RUNNING: "running", KV_USAGE: "kv_usage",
-          QUEUED_PROMPT_TOKENS: "queued_prompt_tokens"}
-# Counters are exposed with the `_total` suffix on their (contract) base names.
-COUNTERS = {f"{PREEMPTIONS}_total": "preemptions", f"{PROMPT_TOKENS}_total": "prompt_tokens",
-            f"{GENERATION_TOKENS}_total": "generation_tokens", f"{REQUEST_SUCCESS}_total": "finished"}
-HISTOGRAMS = {TTFT: "ttft", ITL: "itl", E2E: "e2e"}
-# Histograms whose sum and count per bucket give each phase's mean (for the dominant phase in status.buckets).
-PHASES = {"vllm:request_queue_time_seconds": "queue", "vllm:request_prefill_time_seconds": "prefill",
-          "vllm:request_decode_time_seconds": "decode", TTFT: "ttft", E2E: "e2e"}
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Names:
+    """The series a pod's scrape is read by, each mapped to the RoleSignals field it fills."""
+    gauges: dict[str, str]
+    counters: dict[str, str]  # by their exposed name (base name + `_total`)
+    histograms: dict[str, str]  # per bucket: the SLO clocks
+    phases: dict[str, str]  # histograms whose sum and count per bucket give each phase's mean
+
+
+@functools.cache
+def names(runtime: str) -> Names:
+    """An engine's names from contract.RUNTIME_METRICS (what a runtime does not export is simply not read)."""
+    rm = RUNTIME_METRICS[runtime]
+    pick = lambda pairs: {series: field for field, series in pairs if series}  # noqa: E731
+    gauges = pick([("waiting", rm.waiting), ("running", rm.running), ("kv_usage", rm.kv_usage)])
+    if runtime == SLOFLEET:
+        gauges[QUEUED_PROMPT_TOKENS] = "queued_prompt_tokens"
+    counters = {f"{k}_total": v for k, v in pick([
+        ("preemptions", rm.preemptions), ("prompt_tokens", rm.prompt_tokens),
+        ("generation_tokens", rm.generation_tokens), ("finished", rm.finished)]).items()}
+    return Names(gauges=gauges, counters=counters, histograms=pick([("ttft", rm.ttft), ("itl", rm.itl),
+                                                                    ("e2e", rm.e2e)]),
+                 phases=pick([("queue", rm.queue), ("prefill", rm.prefill), ("decode", rm.decode), ("ttft", rm.ttft),
+                              ("e2e", rm.e2e)]))
+
+
+ENGINE = names(SLOFLEET)
+GAUGES, COUNTERS, HISTOGRAMS, PHASES = ENGINE.gauges, ENGINE.counters, ENGINE.histograms, ENGINE.phases
+# A router's clocks: the same fields, timed where the client is (TPOT fills the inter-token field the policy reads)
+ROUTER_NAMES = Names(gauges={}, counters={}, histograms={ROUTER_TTFT: "ttft", ROUTER_TPOT: "itl", ROUTER_E2E: "e2e"},
+                     phases={})
 BY_BUCKET = ("prompt_tokens", "generation_tokens")  # counters also kept per bucket label (each bucket's mix)
 
 
@@ -103,32 +123,37 @@ class RoleSignals:
     itl: dict[str, Histogram] = field(default_factory=dict)
     e2e: dict[str, Histogram] = field(default_factory=dict)
     by_bucket: dict[str, dict[str, float]] = field(default_factory=dict)  # counter -> bucket -> value
+    refused: dict[str, float] = field(default_factory=dict)  # bucket -> requests the routers refused (cumulative)
     phases: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (phase, bucket, "sum"|"count") -> value
     pod: str = ""  # which pod answered (one pod's signals; empty once merged)
 
 
-def parse(text: str, role: str, t: float) -> RoleSignals:
+def parse(text: str, role: str, t: float, runtime: str = SLOFLEET) -> RoleSignals:
     """One pod's /metrics text. Unknown metrics are ignored; labels other than `bucket` are summed over."""
-    return from_samples(parse_samples(text), role, t)
+    return from_samples(parse_samples(text), role, t, runtime=runtime)
 
 
-def from_samples(samples: Iterable[Sample], role: str, t: float, pod: str = "") -> RoleSignals:
-    """One pod's parsed samples (as `parse`, for sources that group samples by pod themselves)."""
+def from_samples(samples: Iterable[Sample], role: str, t: float, pod: str = "",
+                 runtime: str = SLOFLEET) -> RoleSignals:
+    """One pod's parsed samples (as `parse`, for sources that group samples by pod themselves): an engine's by
+    its runtime's names, a router's (role ROUTER) by its SLO clocks. An engine-wide phase (a runtime without a
+    bucket label) is kept under the bucket ""."""
     sig = RoleSignals(role, t, pods=1, pod=pod)
+    n = ROUTER_NAMES if role == ROUTER else names(runtime)
     buckets: dict[tuple[str, str], dict[float, float]] = {}
     for s in samples:
-        if s.name in GAUGES or s.name in COUNTERS:
-            attr = GAUGES.get(s.name) or COUNTERS[s.name]
+        if s.name in n.gauges or s.name in n.counters:
+            attr = n.gauges.get(s.name) or n.counters[s.name]
             setattr(sig, attr, getattr(sig, attr) + s.value)
             if attr in BY_BUCKET and "bucket" in s.labels:
                 counts = sig.by_bucket.setdefault(attr, {})
                 counts[s.labels["bucket"]] = counts.get(s.labels["bucket"], 0.0) + s.value
         base, _, part = s.name.rpartition("_")
-        if part in ("sum", "count") and base in PHASES:
-            key3 = (PHASES[base], s.labels.get("bucket", DEFAULT_BUCKET), part)
+        if part in ("sum", "count") and base in n.phases:
+            key3 = (n.phases[base], s.labels.get("bucket", ""), part)
             sig.phases[key3] = sig.phases.get(key3, 0.0) + s.value
-        if s.name.endswith("_bucket") and s.name[:-7] in HISTOGRAMS:
-            key = (HISTOGRAMS[s.name[:-7]], s.labels.get("bucket", DEFAULT_BUCKET))
+        if s.name.endswith("_bucket") and s.name[:-7] in n.histograms:
+            key = (n.histograms[s.name[:-7]], s.labels.get("bucket", DEFAULT_BUCKET))
             le = float(s.labels["le"])
             buckets.setdefault(key, {})[le] = buckets.get(key, {}).get(le, 0.0) + s.value
     for (kind, bucket), by_le in buckets.items():
@@ -151,6 +176,8 @@ def merge(role: str, t: float, pods: list[RoleSignals]) -> RoleSignals:
             mine = out.by_bucket.setdefault(attr, {})
             for bucket, v in counts.items():
                 mine[bucket] = mine.get(bucket, 0.0) + v
+        for bucket, v in p.refused.items():
+            out.refused[bucket] = out.refused.get(bucket, 0.0) + v
     if pods:
         out.kv_usage /= len(pods)
     return out
@@ -160,7 +187,7 @@ def merge(role: str, t: float, pods: list[RoleSignals]) -> RoleSignals:
 class BucketWindow:
     """One bucket's share of a window: what its requests ask for and how many of them met its targets."""
     requests: float  # first tokens in the window
-    arrival_rate: float  # requests/s, with the queue's growth shared by the buckets' shares of first tokens
+    arrival_rate: float  # offered requests/s: the queue's growth shared by first tokens, plus the refused
     mean_prompt: float
     mean_output: float  # generated tokens per first token (a steady window's output length)
     ttft_attainment: float | None
@@ -173,7 +200,7 @@ class Window:
     """What the policy reads about the last window: the newest gauges, plus rates and attainment."""
     now: RoleSignals
     seconds: float
-    arrival_rate: float  # requests/s: first tokens emitted plus growth of the queue
+    arrival_rate: float  # offered requests/s: first tokens emitted, growth of the queue, refused at admission
     mean_prompt: float | None
     mean_output: float | None
     prompt_rate: float  # prompt tokens computed per second
@@ -181,7 +208,8 @@ class Window:
     preemption_rate: float
     ttft_attainment: float | None  # worst bucket; None: no request finished a prefill in the window
     itl_attainment: float | None
-    buckets: dict[str, BucketWindow] = field(default_factory=dict)  # the buckets with first tokens in the window
+    buckets: dict[str, BucketWindow] = field(default_factory=dict)  # the buckets with requests in the window
+    refused_rate: float = 0.0  # requests/s refused at admission (in arrival_rate)
 
 
 def window(old: RoleSignals, new: RoleSignals, slo: dict[str, tuple[float, ...]]) -> Window:
@@ -210,11 +238,18 @@ def window(old: RoleSignals, new: RoleSignals, slo: dict[str, tuple[float, ...]]
         return max(new.by_bucket[attr][b] - old.by_bucket.get(attr, {}).get(b, 0.0), 0.0) / n
 
     ttft, itl, e2e = shares("ttft", 0), shares("itl", 1), shares("e2e", 2)
-    buckets = {b: BucketWindow(n, arrivals * n / firsts / dt, per_request("prompt_tokens", b, n),
-                               per_request("generation_tokens", b, n), ttft.get(b), itl.get(b), e2e.get(b))
+    refused = {b: max(n - old.refused.get(b, 0.0), 0.0) for b, n in new.refused.items()}
+    buckets = {b: BucketWindow(n, (arrivals * n / firsts + refused.get(b, 0.0)) / dt,
+                               per_request("prompt_tokens", b, n), per_request("generation_tokens", b, n),
+                               ttft.get(b), itl.get(b), e2e.get(b))
                for b, n in firsts_by.items() if n > 0}
+    for b, n in refused.items():  # a bucket the routers refused whole: priced at the window's mix
+        if n > 0 and b not in buckets and firsts:
+            buckets[b] = BucketWindow(n, n / dt, delta("prompt_tokens") / firsts, delta("generation_tokens") / firsts,
+                                      None, None)
     return Window(
-        now=new, seconds=dt, arrival_rate=arrivals / dt,
+        now=new, seconds=dt, arrival_rate=(arrivals + sum(refused.values())) / dt,
+        refused_rate=sum(refused.values()) / dt,
         mean_prompt=delta("prompt_tokens") / firsts if firsts else None,
         mean_output=delta("generation_tokens") / finished if finished else None,
         prompt_rate=delta("prompt_tokens") / dt, output_rate=delta("generation_tokens") / dt,

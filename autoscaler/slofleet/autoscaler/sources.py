@@ -12,12 +12,13 @@ import time
 import urllib.parse
 import urllib.request
 
-from slofleet.api.contract import ROUTER_HELD, Sample, parse_samples, sum_by_name
+from slofleet.api.contract import ROUTER_HELD, SLOFLEET, Sample, parse_samples, sum_by_name
 
+from . import admissions
 from .signals import RoleSignals, from_samples, parse
 
 # What the policy reads; federating only these keeps the answer small.
-FEDERATE_MATCH = '{{__name__=~"vllm:.*|slofleet:.*",namespace="{namespace}",service="{service}"}}'
+FEDERATE_MATCH = '{{__name__=~"vllm:.*|llamacpp:.*|slofleet:.*",namespace="{namespace}",service="{service}"}}'
 
 
 def scrape_error(where: str, e: Exception) -> None:
@@ -33,13 +34,13 @@ def fetch(url: str, timeout: float) -> str | None:
         return None
 
 
-def scrape(url: str, role: str, timeout: float) -> RoleSignals | None:
-    """One engine's /metrics at its base URL."""
+def scrape(url: str, role: str, timeout: float, runtime: str = SLOFLEET) -> RoleSignals | None:
+    """One engine's (or, with role ROUTER, a router's) /metrics at its base URL."""
     text = fetch(url.rstrip("/") + "/metrics", timeout)
     if text is None:
         return None
     try:
-        return parse(text, role, time.time())
+        return parse(text, role, time.time(), runtime)
     except ValueError as e:  # a half-written answer: missing data as well
         scrape_error(url, e)
         return None
@@ -57,7 +58,20 @@ def held_requests(url: str, timeout: float) -> float | None:
         return None
 
 
-def federate(prometheus: str, namespace: str, service: str, role: str, timeout: float) -> list[RoleSignals]:
+def router_admissions(url: str, timeout: float) -> admissions.Admissions | None:
+    """A router pod's admission counters; None when it did not answer readably."""
+    text = fetch(url.rstrip("/") + "/metrics", timeout)
+    if text is None:
+        return None
+    try:
+        return admissions.from_samples(parse_samples(text), time.time())
+    except ValueError as e:
+        scrape_error(url, e)
+        return None
+
+
+def federate(prometheus: str, namespace: str, service: str, role: str, timeout: float,
+             runtime: str = SLOFLEET) -> list[RoleSignals]:
     """One role's pods as Prometheus last scraped them: the series of the Kubernetes Service `service`
     (the operator's `<name>-<role>`), grouped by their `pod` label. Each pod's time is its newest sample's,
     so windows span what Prometheus saw, not when we asked."""
@@ -73,5 +87,5 @@ def federate(prometheus: str, namespace: str, service: str, role: str, timeout: 
         scrape_error(prometheus, e)
         return []
     now = time.time()
-    return [from_samples(samples, role, max((s.timestamp for s in samples if s.timestamp), default=now), pod)
+    return [from_samples(samples, role, max((s.timestamp for s in samples if s.timestamp), default=now), pod, runtime)
             for pod, samples in by_pod.items()]

@@ -5,6 +5,7 @@ Standard library only, so the engine (which imports nothing else of `slofleet.ap
 here changes only with every side at once."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 from dataclasses import dataclass
@@ -42,6 +43,13 @@ SERVER_TIMING_HEADER = "server-timing"
 # -- engine runtimes (spec.engine.runtime) --------------------------------------------------------------------
 SLOFLEET, VLLM, LLAMACPP = "slofleet", "vllm", "llamacpp"
 RUNTIMES = (SLOFLEET, VLLM, LLAMACPP)  # the first is the default
+# Runtimes that order their waiting queue by the body's `priority` (lower first, as bucket priorities): the router
+# sends each request's bucket priority to these only (`slofleet router --runtime`; vLLM orders by it only when
+# started with --scheduling-policy priority, as the operator starts it, and otherwise ignores it).
+PRIORITY_RUNTIMES = (SLOFLEET, VLLM)
+# What the router probes to know a replica serves: slofleet's /ready (503 while draining); vLLM has no readiness
+# endpoint (its /health answers once the engine is up) and llama-server's /health is 503 until its model is loaded.
+READY_PATH = {SLOFLEET: "/ready", VLLM: "/health", LLAMACPP: "/health"}
 
 
 # -- labels and annotations ----------------------------------------------------------------------------------
@@ -63,6 +71,17 @@ TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 ROUTER_HELD = "slofleet:router_held_requests"  # the router's requests held while a role has no ready replica
+# the router's admission, per bucket (counters, exposed with `_total`): admitted by mode, refused by reason
+ROUTER_ADMITTED = "slofleet:router_admitted"
+ROUTER_REFUSED = "slofleet:router_refused"
+
+# -- the router's SLO clocks: per bucket, whatever runtime serves behind it (the status, autoscaler, diagnose and
+# dashboard read these, so they work for every runtime) ---------------------------------------------------------
+ROUTER_TTFT = "slofleet:router_time_to_first_token_seconds"  # arrival to the first token relayed
+ROUTER_TPOT = "slofleet:router_time_per_output_token_seconds"  # first token to the last, per token after the first
+ROUTER_E2E = "slofleet:router_e2e_request_latency_seconds"  # arrival to the last byte relayed
+ROUTER_PHASE = "slofleet:router_phase_seconds"  # label `phase`: the router's own phases (router/metrics.py PHASES)
+ROUTER_SLO = "slofleet:router_slo_requests"  # counter, labels bucket and `met` (true/false): judged by every target
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,12 +96,15 @@ class RuntimeMetrics:
     preemptions: str | None  # counter
     prompt_tokens: str | None  # counter
     generation_tokens: str | None  # counter
+    finished: str | None  # counter: requests that ended
     queue: str | None  # histogram: arrival to first scheduled (the "queue" phase)
     prefill: str | None  # histogram: first scheduled to first token (the "prefill" phase)
     decode: str | None  # histogram: first token to the last (the "decode" phase)
     ttft: str | None  # histogram
     itl: str | None  # histogram: between consecutive output tokens
+    tpot: str | None  # histogram: per request, its decode time per output token after the first
     e2e: str | None  # histogram
+    by_bucket: bool  # whether its series carry a `bucket` label (else they are engine-wide)
 
     def phase(self, name: str) -> str | None:
         """The series of a phase or gauge by its field name (queue, prefill, decode, kv_usage, ...)."""
@@ -94,16 +116,27 @@ class RuntimeMetrics:
 # recent builds dropped the KV usage gauge (docs/runtimes.md lists what each runtime exports).
 _VLLM_NAMES = RuntimeMetrics(
     running=NUM_RUNNING, waiting=NUM_WAITING, kv_usage=KV_USAGE, preemptions=PREEMPTIONS, prompt_tokens=PROMPT_TOKENS,
-    generation_tokens=GENERATION_TOKENS, queue="vllm:request_queue_time_seconds",
-    prefill="vllm:request_prefill_time_seconds", decode="vllm:request_decode_time_seconds", ttft=TTFT, itl=ITL, e2e=E2E)
+    generation_tokens=GENERATION_TOKENS, finished=REQUEST_SUCCESS, queue="vllm:request_queue_time_seconds",
+    prefill="vllm:request_prefill_time_seconds", decode="vllm:request_decode_time_seconds", ttft=TTFT, itl=ITL,
+    tpot="vllm:request_time_per_output_token_seconds", e2e=E2E, by_bucket=False)
 RUNTIME_METRICS: dict[str, RuntimeMetrics] = {
-    SLOFLEET: _VLLM_NAMES,
+    SLOFLEET: dataclasses.replace(_VLLM_NAMES, by_bucket=True),
     VLLM: _VLLM_NAMES,
     LLAMACPP: RuntimeMetrics(
         running="llamacpp:requests_processing", waiting="llamacpp:requests_deferred", kv_usage=None,
         preemptions=None, prompt_tokens="llamacpp:prompt_tokens", generation_tokens="llamacpp:tokens_predicted",
-        queue=None, prefill=None, decode=None, ttft=None, itl=None, e2e=None),
+        finished=None, queue=None, prefill=None, decode=None, ttft=None, itl=None, tpot=None, e2e=None,
+        by_bucket=False),
 }
+ENGINE_PHASES = ("queue", "prefill", "decode")  # the engine-side phases `slofleet diagnose` splits a clock into
+
+
+def runtime_of(names: set[str] | frozenset[str]) -> str:
+    """Which runtime exported these series: llama-server's prefix, else slofleet's own series beside vLLM's
+    names, else vLLM (an engine's scrape, not a router's)."""
+    if any(n.startswith("llamacpp:") for n in names):
+        return LLAMACPP
+    return SLOFLEET if any(n.startswith("slofleet:") for n in names) else VLLM
 
 
 def not_exported(runtime: str) -> str:

@@ -14,9 +14,12 @@ import json
 import sys
 from pathlib import Path
 
+from slofleet.api.contract import ROUTER_E2E, ROUTER_SLO, ROUTER_TPOT, ROUTER_TTFT
+
 ENGINE = 'namespace="$namespace", service=~"$llmservice-(unified|prefill|decode)"'
 ROUTER = 'namespace="$namespace", service="$llmservice-router"'
 BUCKET = ', bucket=~"$bucket"'
+MET = ', met="true"'  # the router's requests that met every target of their bucket
 WINDOW = "[$__rate_interval]"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 Target = tuple[str, str]  # (PromQL, legend)
@@ -110,19 +113,25 @@ ROWS: dict[str, list[tuple[str, str, list[Target], str]]] = {
                                           "{{service}}")], "engine-wide hit rate"),
     ],
     "Tail": [
-        ("TTFT", "s", quantiles("vllm:time_to_first_token_seconds"), ""),
-        ("TPOT (inter-token latency)", "s", quantiles("vllm:inter_token_latency_seconds"), "per token"),
-        ("E2E", "s", quantiles("vllm:e2e_request_latency_seconds"), ""),
-        ("Outside the model: router TTFB - engine TTFT (p99)", "s",
-         per_bucket(f"{quantile(0.99, 'slofleet:router_time_to_first_byte_seconds', ROUTER + BUCKET)} - "
+        ("TTFT (router)", "s", quantiles(ROUTER_TTFT, sel=ROUTER + BUCKET),
+         "arrival at the router to the first token relayed, whatever runtime answers"),
+        ("TPOT (router)", "s", quantiles(ROUTER_TPOT, sel=ROUTER + BUCKET),
+         "per request: first token to last over the tokens after the first, as the client receives them"),
+        ("E2E (router)", "s", quantiles(ROUTER_E2E, sel=ROUTER + BUCKET), "arrival to the last byte relayed"),
+        ("Outside the model: router TTFT - engine TTFT (p99)", "s",
+         per_bucket(f"{quantile(0.99, ROUTER_TTFT, ROUTER + BUCKET)} - "
                     f"{quantile(0.99, 'vllm:time_to_first_token_seconds')}"),
-         "routing, retries, hand-off and network: high while the engines look fine"),
+         "routing, retries, hand-off and network: high while the engines look fine (engines that label their "
+         "histograms by bucket: slofleet's)"),
         ("Router time by phase (p99)", "s",
          per_bucket(quantile(0.99, "slofleet:router_phase_seconds", ROUTER + BUCKET, "bucket, phase"),
                     "{{bucket}} {{phase}}"), "gateway, classify, hold, choose, retry, upstream, handoff, own, stream"),
         ("Requests over their SLO", "percentunit",
-         per_bucket('max by (bucket, clock) (slofleet:slo_bad_requests:ratio_rate5m{namespace="$namespace", '
-                    'service=~"$llmservice-(unified|decode)", bucket=~"$bucket"})', "{{bucket}} {{clock}}"),
+         per_bucket(f"1 - {rate(ROUTER_SLO + '_total', ROUTER + BUCKET + MET)} / "
+                    f"{rate(ROUTER_SLO + '_total', ROUTER + BUCKET)}", "{{bucket}} router")
+         + per_bucket('max by (bucket, clock) (slofleet:slo_bad_requests:ratio_rate5m{namespace="$namespace", '
+                      'service=~"$llmservice-(unified|decode)", bucket=~"$bucket"})', "{{bucket}} {{clock}}"),
+         "the router's share of requests that missed a target of their bucket (refused ones included), and the "
          "5m bad-request ratio per clock, from the chart's recording rules (monitoring.prometheusRule)"),
     ],
     "Quality": [
@@ -191,8 +200,9 @@ def dashboard() -> dict:
             # the LLMService: engine Services are named <llmservice>-<role>
             variable("llmservice", 'label_values(vllm:num_requests_running{namespace="$namespace"}, service)',
                      "/^(.*)-(?:unified|prefill|decode)$/"),
-            variable("bucket", f"label_values(vllm:e2e_request_latency_seconds_count{{{ENGINE}}}, bucket)",
-                     multi=True),
+            # the router's buckets (any runtime), and an engine's that labels them (slofleet's, router off)
+            variable("bucket", f'label_values({{__name__=~"{ROUTER_TTFT}_count|vllm:e2e_request_latency_seconds_'
+                     f'count", namespace="$namespace"}}, bucket)', multi=True),
         ]},
         "panels": panels,
     }

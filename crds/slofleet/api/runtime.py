@@ -4,6 +4,7 @@ Each limit is one CEL rule per refusing runtime over the whole spec (the setting
 spec.router and spec.engine) and the same test in Python, with one message text for both."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -96,3 +97,65 @@ def refuse(spec: LLMServiceSpec) -> LLMServiceSpec:
     if problems := refusals(spec):
         raise ValueError("; ".join(problems))
     return spec
+
+
+# -- each runtime's command line from the shared settings (the operator's pods and the benchmarks' servers) ---------
+GIB = 1 << 30
+KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's KV budget on CPU, in whole GiB
+CPU_BLOCK = 32  # vLLM's CPU attention backend's block sizes are multiples of this
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Serving:
+    """The settings every runtime takes the same (spec.engine's, or a benchmark's shape), where it listens, and
+    the knobs a caller decides: the context of llama-server's one KV pool (default max_model_len), its threads,
+    and whether to turn its weight repacking off (it crashes on AMX CPUs)."""
+    model: str  # vLLM: an HF directory; llama-server: a GGUF file
+    host: str
+    port: int
+    served_name: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    dtype: str = "auto"
+    block_size: int = 16
+    prefix_caching: bool = True
+    kv_cache_gb: float = 1.0
+    gpus: int = 0
+    context: int | None = None
+    threads: int | None = None
+    no_repack: bool = False
+
+
+def vllm_flags(s: Serving) -> list[str]:
+    """`vllm serve`'s arguments. The router sends each request's bucket priority in the body, which vLLM orders
+    its waiting queue by only with --scheduling-policy priority (0.32.0 ignores it otherwise)."""
+    # vLLM's CPU attention takes blocks of a multiple of 32 tokens only (0.32.0's engine exits at start with 16)
+    block = s.block_size if s.gpus else -(-s.block_size // CPU_BLOCK) * CPU_BLOCK
+    args = [s.model, "--host", s.host, "--port", str(s.port), "--served-model-name", s.served_name,
+            "--max-num-seqs", str(s.max_num_seqs), "--max-num-batched-tokens", str(s.max_num_batched_tokens),
+            "--max-model-len", str(s.max_model_len), "--dtype", s.dtype, "--block-size", str(block),
+            "--enable-prefix-caching" if s.prefix_caching else "--no-enable-prefix-caching",
+            "--scheduling-policy", "priority"]
+    if s.gpus:  # on CPU the KV budget is an environment variable (vllm_kv_env)
+        args += ["--kv-cache-memory-bytes", str(int(s.kv_cache_gb * GIB))]
+    return args
+
+
+def vllm_kv_env(s: Serving) -> dict[str, str]:
+    """vLLM's KV budget on CPU: whole GiB, rounded up (it reads the variable as an integer)."""
+    return {} if s.gpus else {KV_SPACE_ENV: str(max(1, math.ceil(s.kv_cache_gb)))}
+
+
+def llamacpp_flags(s: Serving) -> list[str]:
+    """llama-server's arguments: one KV pool (`-c` tokens, --kv-unified) shared by the max_num_seqs slots, so that
+    any one request can reach max_model_len; the step's token budget as its logical and physical batch."""
+    args = ["-m", s.model, "--host", s.host, "--port", str(s.port), "--alias", s.served_name,
+            "-c", str(s.context or s.max_model_len), "-np", str(s.max_num_seqs), "--kv-unified",
+            "-b", str(s.max_num_batched_tokens), "-ub", str(s.max_num_batched_tokens), "--metrics",
+            "--cache-prompt" if s.prefix_caching else "--no-cache-prompt"]
+    if s.threads:
+        args += ["--threads", str(s.threads)]
+    if s.no_repack:
+        args.append("--no-repack")
+    return args

@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from slofleet.api.admission import ADMISSION_MODES, Admission  # noqa: F401 (ADMISSION_MODES re-exported)
 from slofleet.api.base import Model as _Model
 from slofleet.api.base import (
     Resources,
@@ -31,6 +32,14 @@ from slofleet.api.contract import (  # noqa: F401 (ROLES re-exported)
 from slofleet.api.network import Network
 from slofleet.api.router import Router, RouterAuth  # noqa: F401 (RouterAuth re-exported)
 from slofleet.api.runtime import RUNTIME_HELP, image_help, refuse, spec_rules
+from slofleet.api.status import (  # noqa: F401 (the status models re-exported)
+    BucketAdmission,
+    BucketStatus,
+    Condition,
+    LLMServiceStatus,
+    RoleAutoscaling,
+    RoleStatus,
+)
 
 GROUP = "slofleet.dev"
 VERSION = "v1alpha1"
@@ -176,6 +185,9 @@ class Match(_Model):
     max_output_tokens: int | None = Field(None, ge=0, description="the request's max_tokens is at most this")
     header: dict[str, str] | None = Field(None, description="request headers that must equal these values")
     route: str | None = Field(None, description="URL path prefix, e.g. /v1/chat/completions")
+    tools: bool | None = Field(None, description="true: only requests that send tools; false: only those without")
+    structured: bool | None = Field(None, description="true: only requests that ask for a structured output "
+                                    "(response_format json, structured_outputs, guided_*); false: only others")
     model_config = ConfigDict(json_schema_extra=_rules(
         ("!has(self.minPromptTokens) || !has(self.maxPromptTokens) || self.minPromptTokens <= self.maxPromptTokens",
          "match.minPromptTokens must be <= match.maxPromptTokens"),
@@ -207,20 +219,15 @@ class SLO(_Model):
         return self
 
 
-class Admission(_Model):
-    """Per-bucket admission limits; beyond them the router answers 429 with Retry-After. They hold for the
-    service as a whole: each of `router.replicas` routers enforces its share (status.routerAdmission)."""
-    max_waiting_requests: int | None = Field(None, ge=0)
-    max_queued_tokens: int | None = Field(None, ge=0)
-    max_requests_per_second: float | None = Field(None, gt=0)
-
-
 class Bucket(_Model):
     name: str = Field(..., min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     priority: int = Field(0, ge=0, le=100, description="lower runs first")
     match: Match = Field({})
     slo: SLO
     admission: Admission = Field({})
+
+    def admission_mode(self) -> str:
+        return self.admission.in_force(self.slo)
 
 
 def _unique_buckets() -> dict:
@@ -267,72 +274,6 @@ class LLMServiceSpec(_Model):
 class SLOPolicySpec(_Model):
     """Buckets shared by several LLMServices (referenced by `spec.policyRef`)."""
     buckets: list[Bucket] = Field(..., min_length=1, max_length=32, json_schema_extra=_unique_buckets())
-
-
-class Condition(_Model):
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str = ""
-    message: str = ""
-    last_transition_time: str | None = None
-    observed_generation: int | None = None
-
-
-class RoleAutoscaling(_Model):
-    """Written by the autoscaler only (its own field manager); the operator reads and clamps it."""
-    desired_replicas: int | None = Field(None, ge=0)
-    reason: str | None = None
-    time: str | None = Field(None, description="when this decision was made (RFC 3339)")
-    condition: Literal["Ok", "MetricsStale", "Stabilizing", "Draining", "ScalingLimited"] | None = Field(
-        None, description="MetricsStale: no fresh metrics, the last decision is held; the others explain a hold or "
-        "a bound")
-
-
-class RoleStatus(_Model):
-    replicas: int = 0
-    ready_replicas: int = 0
-    desired_replicas: int = 0
-
-
-class BucketStatus(_Model):
-    """Written by the autoscaler only (its own field manager): one bucket's requests that finished in the last
-    `windowSeconds`, from the engines' latency histograms (interpolated inside a histogram bucket, as Prometheus'
-    histogram_quantile does). Latencies are given for the targets the bucket sets."""
-    name: str
-    window_seconds: int = Field(0, ge=0, description="the window the figures cover, ending at `time`")
-    requests: int = Field(0, ge=0, description="requests of this bucket that finished in the window")
-    attainment: float | None = Field(None, ge=0, le=1, description="fraction of requests within all targets (with "
-                                     "several targets: within the one fewest met, as the engines' per-target "
-                                     "histograms cannot tell which requests missed several); absent without requests")
-    percentile: float = Field(99.0, description="the bucket's slo.percentile, at which the latencies are read")
-    ttft_ms: float | None = Field(None, description="time to first token at the percentile")
-    tpot_ms: float | None = Field(None, description="time per output token at the percentile (from the engines' "
-                                  "inter-token latency, so counted per token, not per request)")
-    e2e_ms: float | None = Field(None, description="whole-request latency at the percentile")
-    met: bool | None = Field(None, description="attainment reaches the percentile, i.e. every target holds at it; "
-                             "absent without requests")
-    dominant: Literal["queue", "prefill", "decode", "outside_model", "kv"] | None = Field(
-        None, description="when not met: the phase holding most of the least-met clock (slofleet diagnose's rule)")
-    time: str | None = Field(None, description="when these figures were read (RFC 3339)")
-
-
-class BucketAdmission(Admission):
-    """A bucket's admission limits as each router replica enforces them."""
-    name: str
-
-
-class LLMServiceStatus(_Model):
-    observed_generation: int | None = None
-    endpoint: str | None = None
-    conditions: list[Condition] = Field([])
-    roles: dict[str, RoleStatus] = Field({})
-    autoscaling: dict[str, RoleAutoscaling] = Field({})
-    buckets: list[BucketStatus] = Field([], description="written by the autoscaler only, for every LLMService")
-    attainment: float | None = Field(None, description="the lowest attainment in `buckets` (written with them), "
-                                     "shown by `kubectl get llms`")
-    router_admission: list[BucketAdmission] = Field([], description="each bucket's admission limits divided among "
-                                                     "the router replicas (at least 1 where a limit is set): what "
-                                                     "each router enforces")
 
 
 class LLMService(_Model):

@@ -18,6 +18,9 @@ import os
 import sys
 import time
 import urllib.parse
+from pathlib import Path
+
+from slofleet.api.contract import RUNTIMES, SLOFLEET
 
 from . import workload
 
@@ -46,6 +49,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of the table")
     p.add_argument("--png", help="write latency CDFs per bucket and attainment over time to this PNG")
     p.add_argument("--progress-interval", type=float, default=5.0, help="seconds between progress lines on stderr")
+    p.add_argument("--runtimes", metavar="LIST", help="comma-separated, of slofleet, vllm, llamacpp: start each in "
+                   "turn on loopback with the embedded model and one shared shape (slofleet.bench.runtimes; vllm and "
+                   "llamacpp from `make install-runtimes`), send each the same requests, print one table; --url "
+                   "and --model are then unused")
+    p.add_argument("--sweep", metavar="RATES", help="comma-separated request rates, run one after another, each with "
+                   "its own seed (--seed + its index: fresh prompts): prints offered, admitted, refused and goodput "
+                   "per bucket at each, and the knee (SLOs from --buckets; the synthetic mix has its own); --png plots "
+                   "the curve and writes the table beside it (.txt)")
 
 
 def items_of(args: argparse.Namespace) -> list[workload.Item]:
@@ -63,7 +74,8 @@ def items_of(args: argparse.Namespace) -> list[workload.Item]:
     return items
 
 
-async def drive(args: argparse.Namespace, model: str, items: list[workload.Item], headers: dict[str, str]):
+async def drive(args: argparse.Namespace, url: str, model: str, items: list[workload.Item],
+                headers: dict[str, str]):
     import httpx
 
     from .loadgen import stream_one
@@ -73,7 +85,7 @@ async def drive(args: argparse.Namespace, model: str, items: list[workload.Item]
         origin = time.perf_counter()
 
         async def one(it: workload.Item):
-            r = await stream_one(client, args.url, workload.body(it, model, args.endpoint, args.ignore_eos),
+            r = await stream_one(client, url, workload.body(it, model, args.endpoint, args.ignore_eos),
                                  it.bucket, path=args.endpoint, headers=headers, origin=origin)
             done.append(r)
             return r
@@ -136,30 +148,114 @@ def run(args: argparse.Namespace) -> int:
     if wrong := problem(args):
         print(f"slofleet bench: {wrong}", file=sys.stderr)
         return 2
+    if args.sweep is not None:
+        return run_sweep(args)
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = auth_headers(args)
     targets: dict[str, workload.Target] = {}
     items = items_of(args)
     if args.buckets:
-        try:
-            classifier, targets = workload.targets_of(args.buckets)
-        except (OSError, ValueError) as e:
-            print(f"slofleet bench: --buckets: {e}", file=sys.stderr)
+        loaded = bucket_targets(args.buckets)
+        if loaded is None:
             return 2
+        classifier, targets = loaded
         workload.classify(items, classifier, args.endpoint)
     if not items:
         raise SystemExit("slofleet bench: no requests to send (see --num-prompts, --duration)")
+    if args.runtimes:
+        return side_by_side(args, items, targets, percentiles)
     model = args.model or first_model(args.url, headers)
+    s = measure(args, args.url, model, items, targets, percentiles, headers)
+    print(json.dumps(s, indent=1) if args.json else report.table(s, percentiles))
+    return 0 if s["completed"] else 1  # nothing answered: a script should not read figures
+
+
+def side_by_side(args: argparse.Namespace, items: list[workload.Item], targets: dict[str, workload.Target],
+                 percentiles: list[float]) -> int:
+    """--runtimes: the same requests to each runtime started in turn, one table (or one JSON object by runtime)."""
+    from . import runtimes
+
+    names = args.runtimes.split(",")
+    problems = [f"unknown runtime {n!r} (give some of {', '.join(RUNTIMES)})" for n in names if n not in RUNTIMES]
+    problems += [runtimes.missing_reason(n) for n in names if n in RUNTIMES and n != SLOFLEET and not runtimes.find(n)]
+    if problems:
+        print(f"slofleet bench: --runtimes: {problems[0]}", file=sys.stderr)
+        return 2
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    figures = runtimes.side_by_side(names, lambda one: measure(args, one.url, one.model, items, targets,
+                                                               percentiles, {}), logs)
+    print(json.dumps(figures, indent=1) if args.json else runtimes.side_table(figures, percentiles))
+    return 0 if all(s["completed"] for s in figures.values()) else 1
+
+
+def measure(args: argparse.Namespace, url: str, model: str, items: list[workload.Item],
+            targets: dict[str, workload.Target], percentiles: list[float], headers: dict[str, str]) -> dict:
+    """Send the requests to one server: its summary (report.summary), plotted with --png."""
+    from . import report
+
     rate = args.request_rate
     workload_name = f"{args.trace} at {'its recorded rate' if rate is None else f'{rate:g} req/s'}"
-    results, duration = asyncio.run(drive(args, model, items, headers))
+    results, duration = asyncio.run(drive(args, url, model, items, headers))
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "backend": "openai-chat" if "chat" in
-            args.endpoint else "openai", "url": args.url, "model_id": model, "model": model, "endpoint": args.endpoint,
+            args.endpoint else "openai", "url": url, "model_id": model, "model": model, "endpoint": args.endpoint,
             "workload": workload_name, "trace": args.trace,
             "request_rate": "inf" if rate is not None and math.isinf(rate) else rate}
     s = report.summary(results, duration, percentiles, targets, meta)
     s["errors"] = sorted({r.error for r in results if r.error})[:20]
     if args.png:
         report.plot(results, s, args.png)
-    print(json.dumps(s, indent=1) if args.json else report.table(s, percentiles))
-    return 0 if s["completed"] else 1  # nothing answered: a script should not read figures
+    return s
+
+
+
+def auth_headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+def bucket_targets(path: str):
+    """The --buckets file's classifier and SLO targets; None (said on stderr) when it does not load."""
+    try:
+        return workload.targets_of(path)
+    except (OSError, ValueError) as e:
+        print(f"slofleet bench: --buckets: {e}", file=sys.stderr)
+        return None
+
+def run_sweep(args: argparse.Namespace) -> int:
+    """Each rate in turn, with its own seed; the table (or JSON) on stdout, the plot and the table beside it."""
+    from . import sweep
+
+    try:
+        rates = sweep.parse_rates(args.sweep)
+    except ValueError as e:
+        print(f"slofleet bench: {e}", file=sys.stderr)
+        return 2
+    headers = auth_headers(args)
+    classifier, targets = None, workload.mix_targets() if args.trace == "synthetic" else {}
+    if args.buckets:
+        loaded = bucket_targets(args.buckets)
+        if loaded is None:
+            return 2
+        classifier, targets = loaded
+    if not targets:
+        print("slofleet bench: --sweep needs SLOs to count goodput: give --buckets", file=sys.stderr)
+        return 2
+    model = args.model or first_model(args.url, headers)
+    points = []
+    for i, rate in enumerate(rates):
+        one = argparse.Namespace(**{**vars(args), "request_rate": rate, "seed": args.seed + i})
+        items = items_of(one)
+        if classifier is not None:
+            workload.classify(items, classifier, args.endpoint)
+        results, _ = asyncio.run(drive(one, args.url, model, items, headers))
+        points.append(sweep.point(rate, one.seed, results, targets))
+        t = points[-1].total
+        print(f"slofleet bench: {rate:g} req/s: {t.offered} offered, {t.refused} refused, {t.failed} failed, "
+              f"{t.attainment:.1%} within SLO", file=sys.stderr, flush=True)
+    text = sweep.table(points)
+    print(json.dumps(sweep.as_json(points), indent=1) if args.json else text)
+    if args.png:
+        with open(os.path.splitext(args.png)[0] + ".txt", "w") as f:
+            f.write(text + "\n")
+        if not sweep.plot(points, args.png, f"slofleet bench --sweep: {args.trace} against {args.url}"):
+            print("slofleet bench: matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+    return 0 if any(p.total.admitted for p in points) else 1

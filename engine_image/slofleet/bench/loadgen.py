@@ -20,11 +20,12 @@ def words(n: int, rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def prompt(n: int, rng: random.Random, prefix: int = 0) -> str:
-    """n words, of which the first `prefix` are the same in every prompt with that prefix length."""
+def prompt(n: int, rng: random.Random, prefix: int = 0, head: int = 0) -> str:
+    """n words, of which the first `prefix` are the same in every prompt with that prefix length and `head` (a
+    run's seed: another run's shared head is not in a prefix cache)."""
     if not prefix:
         return words(n, rng)
-    return words(prefix, random.Random(prefix)) + " " + words(max(0, n - prefix), rng)
+    return words(prefix, random.Random(f"{head}/{prefix}" if head else prefix)) + " " + words(max(0, n - prefix), rng)
 
 
 @dataclass

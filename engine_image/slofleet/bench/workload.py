@@ -22,6 +22,7 @@ class Item:
     max_tokens: int
     seed: int  # of its prompt text
     prefix: int = 0  # leading words shared by every request of its bucket
+    head: int = 0  # the seed of those shared words: the run's, so that another run's are not cached
 
 
 @dataclass
@@ -51,7 +52,7 @@ def synthetic(rate: float, n: int | None, duration: float | None, seed: int) -> 
     out = []
     for at in arrivals(rate, n, duration, rng):
         b = rng.choices(MIX, [b.share for b in MIX])[0]
-        out.append(Item(at, b.name, rng.randint(*b.words), b.max_tokens, rng.getrandbits(32), b.prefix))
+        out.append(Item(at, b.name, rng.randint(*b.words), b.max_tokens, rng.getrandbits(32), b.prefix, seed))
     return out
 
 
@@ -79,6 +80,11 @@ def targets_of(path: str) -> tuple[Classifier, dict[str, Target]]:
         b.slo.ttft_ms, b.slo.tpot_ms, b.slo.e2e_ms))) for b in buckets if b.slo is not None}
 
 
+def mix_targets() -> dict[str, Target]:
+    """The synthetic mix's own SLOs (loadgen.MIX), for a run without --buckets."""
+    return {b.name: Target(95.0, b.ttft_slo, b.tpot_slo) for b in MIX}
+
+
 def clip(items: list[Item], max_prompt: int | None, max_output: int | None) -> None:
     """Cap lengths to what a small server takes (real traces hold prompts of tens of thousands of tokens)."""
     for it in items:
@@ -92,7 +98,7 @@ def classify(items: list[Item], classifier: Classifier, path: str) -> None:
 
 
 def body(it: Item, model: str, path: str, ignore_eos: bool) -> dict:
-    text = prompt(it.prompt_tokens, random.Random(it.seed), it.prefix)
+    text = prompt(it.prompt_tokens, random.Random(it.seed), it.prefix, it.head)
     out = {"model": model, "max_tokens": it.max_tokens, "temperature": 0, "stream": True,
            "stream_options": {"include_usage": True}, **({"ignore_eos": True} if ignore_eos else {})}
     if "chat" in path:

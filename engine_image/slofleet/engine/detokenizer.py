@@ -5,13 +5,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
-def decoder(tokenizer) -> Callable[[list[int]], str]:
-    """ids -> text without special tokens. A transformers fast tokenizer's decode only forwards to its Rust
-    tokenizer (unless it cleans up spaces), at several times the cost of calling that directly, twice per token."""
+def decoder(tokenizer, skip_special: bool = True) -> Callable[[list[int]], str]:
+    """ids -> text, without special tokens unless asked. A transformers fast tokenizer's decode only forwards to its
+    Rust tokenizer (unless it cleans up spaces), at several times the cost of calling that directly, twice per token."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-    return lambda ids: backend.decode(ids, skip_special_tokens=True)
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special)
+    return lambda ids: backend.decode(ids, skip_special_tokens=skip_special)
 
 
 @dataclass
@@ -24,9 +24,10 @@ class Detokenizer:
     emitted: int = 0  # characters of `text` already handed out
     prefix_offset: int = 0
     read_offset: int = 0
+    skip_special: bool = True
 
     def __post_init__(self) -> None:
-        self.decode = decoder(self.tokenizer)
+        self.decode = decoder(self.tokenizer, self.skip_special)
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Append one token; return (new text safe to emit, whether a stop string was hit)."""

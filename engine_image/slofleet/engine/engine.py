@@ -21,13 +21,15 @@ from .detokenizer import Detokenizer
 from .errors import AdmissionError, InvalidRequest
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVPayload
-from .request import Event, FinishReason, Request, Status
+from .request import Event, FinishReason, Request, Status, fan_out
 from .runner import ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .speculative import Speculator
 from .stats import EngineStats, StepRecord, StepStats
+from .step_cost import CALIBRATION
+from .structured import Grammars
 
 __all__ = ["AdmissionError", "LLMEngine", "RequestOutput"]
 log = logging.getLogger("slofleet.engine")
@@ -72,7 +74,8 @@ class LLMEngine:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.sampler = Sampler(self.eos_ids, config.seed, self.runner.ops.argmax)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        self.sampler = Sampler(self.eos_ids, config.seed, self.runner.ops.argmax, self.grammars)
         self.spec = Speculator(config.num_speculative_tokens, config.speculative_ngram, config.speculative_buckets)
         self.bucket_priorities, self.bucket_tpot = config.bucket_priority_map(), config.bucket_tpot_map()
         self.requests: dict[str, Request] = {}
@@ -81,10 +84,30 @@ class LLMEngine:
         self.aborts: deque[str] = deque()
         self.step_stats = StepStats()
         self.failed_steps = 0  # in a row
+        self.orphans: list[RequestOutput] = []  # samples that ended with the one they were to fork from
         self.last_step: StepRecord | None = None
+        self.busy_since: float | None = None  # when the last step ended with work left: the next one follows at once
+        if self.bucket_tpot:
+            self.calibrate()
         log.info("engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens, %.1fs", self.model_name,
                  str(self.runner.dtype).removeprefix("torch."), self.runner.device, num_blocks, config.block_size,
                  time.monotonic() - t0)
+
+    def calibrate(self) -> None:
+        """Run CALIBRATION's requests (tokens no prompt shares) to completion, so the step cost is fitted before the
+        first real request; the counters start from zero after it."""
+        base = self.vocab_size // 2
+        for i, (tokens, count) in enumerate(CALIBRATION):
+            for k in range(count):
+                ids = [base + (i * 97 + k * 13 + j) % (self.vocab_size - base) for j in range(tokens)]
+                self.add_request(ids, SamplingParams(max_tokens=6, ignore_eos=True), request_id=f"calibrate-{i}-{k}")
+            self.step()
+        while self.has_unfinished():
+            self.step()
+        self.scheduler.cost.fit()
+        self.step_stats, self.busy_since, self.last_step = StepStats(), None, None
+        self.scheduler.slack = 0.0
+        log.info("step cost: %s", self.scheduler.cost)
 
     # -- requests in ---------------------------------------------------------------------
     def check_token_ids(self, ids: list[int], what: str) -> None:
@@ -115,6 +138,7 @@ class LLMEngine:
             kv.check(num_layers=self.runner.num_layers, kv_shape=self.runner.kv_shape, hashes=hashes)
         ids = self.tokenize(prompt)
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self.check_token_ids(list(params.logit_bias or ()), "logit_bias token ids")
         if not ids:
             raise InvalidRequest("the prompt is empty")
         room = self.max_model_len - len(ids)
@@ -137,6 +161,10 @@ class LLMEngine:
                       max_tokens=1 if export_kv else max_tokens, priority=priority, bucket=bucket,
                       deadline=None if deadline_s is None else time.monotonic() + deadline_s, export_kv=export_kv,
                       imported=kv, block_hashes=hashes, tpot=self.bucket_tpot.get(bucket) if tpot is None else tpot)
+        if params.n > 1 and kv is not None:  # the hand-off carries one sample's first token
+            raise InvalidRequest("n > 1 cannot continue a KV hand-off: prefill it here", "n")
+        if params.n > 1 and not export_kv:
+            fan_out(req)
         self.inbox.append(req)
         return req
 
@@ -176,9 +204,11 @@ class LLMEngine:
             if req.imported is not None and not self.kv.allocate(req, req.num_prompt_tokens):
                 break  # the pool is full: import when blocks free up, keeping arrival order
             self.inbox.popleft()
-            self.requests[req.request_id] = req
-            self.detok[req.request_id] = Detokenizer(self.tokenizer, req.params.stop,
-                                                     req.params.include_stop_str_in_output)
+            for r in req.samples():
+                self.requests[r.request_id] = r
+                self.detok[r.request_id] = Detokenizer(self.tokenizer, r.params.stop,
+                                                       r.params.include_stop_str_in_output,
+                                                       skip_special=r.params.skip_special_tokens)
             if req.imported is not None:
                 out += self._import(req)
             if not req.finished:
@@ -204,6 +234,11 @@ class LLMEngine:
         if req.export_kv and reason in (FinishReason.STOP, FinishReason.LENGTH):  # a first token was sampled
             kv = kv_transfer.export(self.runner, self.kv.block_table(req.request_id), req)
         self.scheduler.remove(req)
+        if req.parent is not None and req in req.parent.forks:  # a sample aborted before it forked
+            req.parent.forks.remove(req)
+        # samples still waiting for this one's prompt end with it (its KV will never be computed)
+        forks, req.forks = req.forks, []
+        self.orphans += [self._finish(r, reason) for r in forks]
         req.status, req.finish_reason = Status.FINISHED, reason
         req.record(Event.FINISHED)
         self.requests.pop(req.request_id, None)
@@ -229,41 +264,61 @@ class LLMEngine:
         try:
             outputs = self._step()
             self.failed_steps = 0
-            return outputs
         except Exception:
             self.failed_steps += 1
+            self.busy_since = None  # the next step is not timed from a failed one
             if self.failed_steps >= MAX_FAILED_STEPS:
                 raise
             victims = list(self.scheduler.running)
             log.exception("step failed; failing its running requests %s", [r.request_id for r in victims])
-            return [self._finish(r, FinishReason.ERROR) for r in victims]
+            outputs = [self._finish(r, FinishReason.ERROR) for r in victims if not r.finished]
+        outputs += self.orphans
+        self.orphans = []
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
+        # A step that follows one with work left is timed from that one's end: the loop's own time between steps
+        # (delivering outputs, metrics, waiting for the interpreter lock the HTTP thread holds) is part of every
+        # stream's time per output token, so the step cost must learn it.
+        t0 = self.busy_since or time.monotonic()
         outputs = self._drain_inboxes()
-        t0 = time.monotonic()
         self.spec.propose(self.scheduler.running)
         sched: SchedulerOutput = self.scheduler.schedule()
         outputs += [self._finish(r, FinishReason.DEADLINE) for r in sched.expired]
         if not sched.scheduled:
+            self.busy_since = None
             return outputs
         batch = [(req, n, self.kv.block_table(req.request_id)) for req, n in sched.scheduled]
         logits = self.runner.execute(batch)
         work = self.scheduler.commit(sched, time.monotonic(), self.step_stats)
         # A request samples once all its tokens are computed; a partial prefill chunk does not.
-        rows, reqs = self.spec.rows(sched.scheduled)
+        rows, reqs = self._fork(*self.spec.rows(sched.scheduled))
         kept: list[list[int]] = []
         if rows:
-            tokens, logprobs = self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], reqs)
+            whole = rows == list(range(len(logits)))  # a forked sample repeats its parent's row
+            tokens, logprobs = self.sampler.sample(logits if whole else logits[rows], reqs)
             reqs, kept, kept_lps = self.spec.accept(reqs, tokens, logprobs)
             outputs += self._postprocess(reqs, kept, kept_lps)
             self.spec.settle(self.kv, reqs)
-        seconds = time.monotonic() - t0
+        end = time.monotonic()
+        seconds, self.busy_since = end - t0, end if self.scheduler.has_work() else None
         self.scheduler.observe(len(sched.scheduled), work.prompt_tokens, seconds)
         self.last_step = StepRecord(seconds=seconds, num_tokens=sched.num_tokens, num_decodes=work.decodes,
                                     num_requests=len(sched.scheduled), num_generated=sum(map(len, kept)))
         for req, _ in sched.scheduled:  # each request's share of the step, for cost attribution
             req.busy_s += seconds / len(sched.scheduled)
         return outputs
+
+    def _fork(self, rows: list[int], reqs: list[Request]) -> tuple[list[int], list[Request]]:
+        """Samples waiting on a request whose prompt this step finished start now: they share its KV blocks and
+        sample their first token from its logits row, so n samples cost one prefill."""
+        for row, req in list(zip(rows, reqs)):
+            if req.forks and not req.output_token_ids:
+                started, copies = self.scheduler.fork(req)
+                for src, dst in copies:
+                    self.runner.write_kv([dst], *self.runner.read_kv([src]))
+                rows, reqs = rows + [row] * len(started), reqs + started
+        return rows, reqs
 
     def _postprocess(self, reqs: list[Request], tokens: list[list[int]], logprobs: list[list]
                      ) -> list[RequestOutput]:

@@ -112,5 +112,23 @@ class KVCacheManager:
         del table[keep:]
         self._register(req, table, start, req.num_computed_tokens)
 
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Give child the parent's KV for its first parent.num_computed_tokens tokens, by the prefix cache's rule:
+        a full block is shared (one more reference, as a cache hit takes), a partial one is private, so the partial
+        last block is copied now (copy on write: each sample writes its next token there). Returns the (source,
+        destination) block ids whose contents the caller copies; None when the pool is short."""
+        table, bs = self.tables[parent.request_id], self.block_size
+        full = parent.num_computed_tokens // bs
+        partial = self.blocks_needed(parent.num_computed_tokens) - full
+        if partial > self.pool.num_free:
+            return None
+        shared = table[:full]
+        self.pool.touch(shared)
+        copies = self.pool.allocate(partial) if partial else []
+        self.tables[child.request_id] = shared + copies
+        child.block_hashes = parent.block_hashes[:full]
+        child.ext_hashes = parent.ext_hashes[:full]
+        return [(table[full + i].block_id, b.block_id) for i, b in enumerate(copies)]
+
     def free(self, req: Request) -> None:
         self.pool.release(self.tables.pop(req.request_id, []))

@@ -19,6 +19,7 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None
+    index: int = 0  # which of the prompt's n samples
 
 
 class LLM:
@@ -29,17 +30,19 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
-        """Run every prompt to completion together (continuous batching); outputs in prompt order."""
+        """Run every prompt to completion together (continuous batching); outputs in prompt order, and a prompt
+        with SamplingParams.n > 1 has its n samples one after another (index 0 to n - 1)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-        reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        reqs = [s for p, sp in zip(prompts, plist) for s in self.engine.add_request(p, sp).samples()]
         texts = {r.request_id: [] for r in reqs}
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 texts[out.request_id].append(out.new_text)
         return [CompletionOutput(r.prompt_token_ids, list(r.output_token_ids), "".join(texts[r.request_id]),
-                                 r.finish_reason, r.output_logprobs if r.params.logprobs is not None else None)
+                                 r.finish_reason, r.output_logprobs if r.params.logprobs is not None else None,
+                                 r.sample_index)
                 for r in reqs]

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from slofleet.api.contract import DEFAULT_BUCKET
 
-from .sampling_params import SamplingParams
+from .sampling_params import SEED_RANGE, SamplingParams
 
 if TYPE_CHECKING:
     from .kv_transfer import KVPayload
@@ -69,6 +69,12 @@ class Request:
     imported: KVPayload | None = None  # decode role: KV to load instead of computing the prompt
     draft: list[int] = field(default_factory=list)  # speculative tokens to verify after the last one (this step)
     draft_len: int = 0  # the longest next draft (speculative.py): 1 more than the last one kept; 0: not drafted yet
+    # n > 1: the samples of one prompt. The first is scheduled; the others wait in its `forks` until its prompt is
+    # computed, then share its KV blocks (Scheduler.fork) and sample their first token from its logits.
+    sample_index: int = 0
+    parent: Request | None = None  # the sample whose prompt KV this one forks
+    forks: list[Request] = field(default_factory=list)  # samples waiting for this one's prompt
+    group: list[Request] = field(default_factory=list)  # on the first sample of n > 1: all n, in index order
 
     def __post_init__(self) -> None:
         self.record(Event.ARRIVED, self.arrival_time)
@@ -87,6 +93,10 @@ class Request:
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def samples(self) -> list[Request]:
+        """Every sample of this request (itself when n = 1)."""
+        return self.group or [self]
 
     @property
     def finished(self) -> bool:
@@ -121,3 +131,17 @@ class Request:
             if first_tok is not None:
                 out["decode_s"] = done - first_tok
         return out
+
+
+def fan_out(first: Request) -> None:
+    """Make first the head of a group of first.params.n samples: the others wait in its forks (see Scheduler.fork).
+    A seeded request's sample i draws with seed + i (as vLLM's), so the samples differ and repeat run to run."""
+    p = first.params
+    for i in range(1, p.n):
+        seed = None if p.seed is None else (p.seed + i if p.seed + i <= SEED_RANGE[1] else p.seed - i)
+        child = Request(request_id=f"{first.request_id}.{i}", prompt_token_ids=first.prompt_token_ids,
+                        params=replace(p, seed=seed), max_tokens=first.max_tokens, priority=first.priority,
+                        bucket=first.bucket, deadline=first.deadline, tpot=first.tpot, arrival_time=first.arrival_time,
+                        sample_index=i, parent=first)
+        first.forks.append(child)
+    first.group = [first, *first.forks]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from .request import Request
+from .structured import Grammars
 
 NEG_INF = float("-inf")
 TOP_P_CANDIDATES = 256
@@ -54,9 +55,20 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
         flat.index_add_(0, cells, -(fp[:, 0] * counts + fp[:, 1]))
 
 
+def apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """OpenAI's logit_bias: each listed token's logit moves by its bias (-100 bans it, +100 all but forces it)."""
+    rows = [i for i, r in enumerate(reqs) if r.params.logit_bias]
+    if rows:
+        maps = [reqs[i].params.logit_bias for i in rows]
+        biases = torch.tensor([b for m in maps for b in m.values()], dtype=logits.dtype)
+        logits.index_put_(_pairs(rows, [list(m) for m in maps]), biases, accumulate=True)
+
+
 def block_stop_tokens(logits: torch.Tensor, reqs: list[Request], eos_ids: set[int]) -> None:
-    """Before min_tokens are out, EOS and stop token ids cannot be sampled."""
-    rows = [i for i, r in enumerate(reqs) if len(r.output_token_ids) < r.params.min_tokens]
+    """Before min_tokens are out, EOS and stop token ids cannot be sampled; except under a constraint, whose grammar
+    says when the output may end (blocking its only allowed token would force one it forbids)."""
+    rows = [i for i, r in enumerate(reqs)
+            if len(r.output_token_ids) < r.params.min_tokens and r.params.structured is None]
     banned = [sorted(set(reqs[i].params.stop_token_ids) | (set() if reqs[i].params.ignore_eos else eos_ids))
               for i in rows]
     if any(banned):
@@ -94,7 +106,7 @@ def plain_greedy(req: Request) -> bool:
     penalties, no stop token held back by min_tokens."""
     p = req.params
     return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty and len(req.output_token_ids) >= p.min_tokens)
+            and not p.frequency_penalty and not p.logit_bias and len(req.output_token_ids) >= p.min_tokens)
 
 
 def first_max(logits: torch.Tensor) -> torch.Tensor:
@@ -104,14 +116,18 @@ def first_max(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, eos_ids: set[int], seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] = first_max):
+    def __init__(self, eos_ids: set[int], seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] = first_max,
+                 grammars: Grammars | None = None):
         self.eos_ids = eos_ids
+        self.grammars = grammars  # structured outputs (structured.py); None: constrained requests fail
         self.argmax = argmax  # the backend's, picked once at load
         self.default_generator = torch.Generator().manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
 
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.forget(request_id)
 
     def _uniforms(self, reqs: list[Request]) -> torch.Tensor:
         u = torch.rand(len(reqs), generator=self.default_generator)
@@ -144,15 +160,34 @@ class Sampler:
             out[rows] = (pick if ids is None else ids.gather(1, pick)).squeeze(1)
         return out
 
+    def _greedy_constrained(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], toks: list[int]
+                            ) -> None:
+        """In an all-greedy batch, the constrained rows' tokens: their rows alone are copied to float32 on the CPU
+        and masked, the free rows keep the backend's argmax."""
+        sub = logits[rows].float().cpu().contiguous()
+        picked = [reqs[i] for i in rows]
+        self.grammars.mask(sub, list(range(len(rows))), picked)
+        best = sub.max(-1).indices.tolist()
+        for i, t in zip(rows, best):
+            toks[i] = t
+        self.grammars.advance(picked, best)
+
     @torch.inference_mode()  # the runner's logits are inference tensors, changed in place here without a copy
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict[int, float] | None]]:
         """Next token per row, and the top-N log-probabilities (of the model's raw distribution) where asked.
         The logits are the sampler's to change: penalties and temperature are applied in place."""
+        constrained = [i for i, r in enumerate(reqs) if r.params.structured is not None]
         if all(plain_greedy(r) for r in reqs):
-            return self.argmax(logits).tolist(), [None] * len(reqs)
+            toks = self.argmax(logits).tolist()
+            if constrained:
+                self._greedy_constrained(logits, reqs, constrained, toks)
+            return toks, [None] * len(reqs)
         logits = logits.float().cpu().contiguous()
         want_lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
+        apply_logit_bias(logits, reqs)
+        if constrained:  # after the raw log-probabilities, which report the model's own distribution
+            self.grammars.mask(logits, constrained, [reqs[i] for i in constrained])
         apply_penalties(logits, reqs)
         block_stop_tokens(logits, reqs, self.eos_ids)
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -163,6 +198,8 @@ class Sampler:
             if rand:
                 tokens[rand] = self._random(logits[rand], [reqs[i] for i in rand])
         toks = tokens.tolist()
+        if constrained:
+            self.grammars.advance([reqs[i] for i in constrained], [toks[i] for i in constrained])
         logprobs: list[dict[int, float] | None] = [None] * len(reqs)
         if raw_logprobs is not None:
             top_v, top_i = torch.topk(raw_logprobs, max(reqs[i].params.logprobs for i in want_lp))

@@ -5,7 +5,9 @@ B_{t+1} = (B_t minus finished) plus admitted. Decodes are served first (one toke
 sequence slots and blocks last, never mixing prompt work of two priorities in one step; a prompt larger
 than the remaining budget is prefilled in chunks. When the KV pool runs short the lowest-priority running
 request is preempted (blocks freed, recomputed later). Where buckets have TPOT targets, the prompt work a step adds
-is bounded by what the engine's fitted step cost (step_cost.py) says fits in the tightest target of its decodes.
+is bounded by what the engine's fitted step cost (step_cost.py) says fits in the tightest target of its decodes,
+with the time earlier steps left unused (slack): a TPOT target is a mean over a stream's tokens, so a prompt too
+big for one step's room waits a step and takes two steps' room in the next.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from .stats import StepStats
 from .step_cost import StepCost
 
 STARVATION_S = 10.0  # see schedule(): the longest a request waits behind more urgent ones
-MIN_PROMPT_CHUNK = 32  # prompt tokens a step may always add, whatever the TPOT targets of its decodes
+MIN_PROMPT_CHUNK = 32  # prompt tokens a step adds where the cost is not yet fitted or its decodes alone overrun
+TPOT_SHARE = 0.9  # of a TPOT target that a step may fill: the rest absorbs the fit's error and the streaming's jitter
+SLACK_TARGETS = 0.5  # slack kept, in targets: one step may run to (1 + this) x its share when earlier ones ran short
 
 
 @dataclass(slots=True, kw_only=True)
@@ -54,6 +58,9 @@ class Scheduler:
         self.admission_refusals = 0
         self.recent_steps: deque[float] = deque(maxlen=32)  # step durations, for Retry-After
         self.cost = StepCost()
+        self.slack = 0.0  # seconds the targeted decodes' steps ran under their share lately (negative: over)
+        self.step_target: float | None = None  # the tightest TPOT target of the scheduled step's decodes
+        self.decode_s: float | None = None  # a moving mean of the targeted steps without prompt work
 
     # -- queue ---------------------------------------------------------------------------
     @property
@@ -88,21 +95,61 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
 
+    def fork(self, parent: Request) -> tuple[list[Request], list[tuple[int, int]]]:
+        """Start the samples waiting on parent, whose prompt is now computed: each shares its KV blocks and runs
+        from the same point. Returns those started and the (source, destination) blocks to copy; a sample the pool
+        has no block for is queued instead, to compute its prompt (from the prefix cache) like any request."""
+        started, copies = [], []
+        for child in parent.forks:
+            moved = self.kv.fork(parent, child)
+            if moved is None:
+                self.add(child)
+                continue
+            copies += moved
+            child.num_computed_tokens = child.num_cached_tokens = parent.num_computed_tokens
+            child.status = Status.RUNNING
+            child.record(Event.SCHEDULED)
+            self.running.append(child)
+            started.append(child)
+        parent.forks = []
+        return started, copies
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def observe(self, seqs: int, prompt_tokens: int, seconds: float) -> None:
-        """A step's size and duration: for Retry-After and the step-cost model."""
+        """A step's size and duration: for Retry-After, the step-cost model and the slack."""
         self.recent_steps.append(seconds)
         self.cost.observe(seqs, prompt_tokens, seconds)
+        target = self.step_target
+        if target is None:
+            self.slack = 0.0  # nobody's TPOT to keep: no debt, no credit
+            return
+        self.slack = min(SLACK_TARGETS * target, max(-target, self.slack + TPOT_SHARE * target - seconds))
+        # What the decodes alone take, as measured (the step less its prompt work at the fitted per-token cost):
+        # the fit's fixed part lags a change of load, and a start under load can leave it far off.
+        own = seconds - self.cost.per_token * prompt_tokens
+        self.decode_s = own if self.decode_s is None else self.decode_s + (own - self.decode_s) / 4
 
     def prompt_budget(self, budget: int, decodes: list[Request]) -> int:
-        """The step's budget left for prompt work, bounded so the step ends within the tightest TPOT target of
-        its decodes; at least MIN_PROMPT_CHUNK, so prompts still make progress under any target."""
+        """The step's budget left for prompt work, bounded so the step ends within TPOT_SHARE of the tightest TPOT
+        target of its decodes, plus the slack. MIN_PROMPT_CHUNK where the cost is not fitted yet or the decodes
+        alone overrun the target (it cannot hold: prompts still make progress). What the decodes take is measured
+        (decode_s) once targeted steps ran, else the fit's."""
         targets = [r.tpot for r in decodes if r.tpot is not None]
-        cap = self.cost.prompt_budget(len(decodes) + 1, min(targets)) if targets else None
+        self.step_target = min(targets) if targets else None
+        if not targets:
+            return budget
         drafted = sum(len(r.draft) for r in decodes)  # already in the step, at a prompt token's cost each
-        return budget if cap is None else min(budget, max(MIN_PROMPT_CHUNK, cap - drafted))
+        share, cost = TPOT_SHARE * self.step_target, self.cost
+        if not cost.fitted:
+            return min(budget, MIN_PROMPT_CHUNK)
+        decode = cost.predict(len(decodes), drafted) if self.decode_s is None else (
+            self.decode_s + cost.per_token * drafted)
+        if decode > share:
+            return min(budget, MIN_PROMPT_CHUNK)
+        room = share + self.slack - decode - cost.per_seq  # the per_seq: the prompt's own row
+        return min(budget, max(0, int(room / cost.per_token)))
 
     # -- one step ------------------------------------------------------------------------
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:

@@ -41,8 +41,8 @@ def propose(tokens: list[int], n: int, k: int) -> list[int]:
 
 def can_draft(req: Request) -> bool:
     p = req.params
-    return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and len(req.output_token_ids) >= p.min_tokens)
+    return (p.greedy and p.structured is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and len(req.output_token_ids) >= p.min_tokens)
 
 
 def fit(scheduled: list[tuple[Request, int]], budget: int, kv: KVCacheManager) -> int:

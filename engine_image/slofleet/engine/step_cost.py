@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 WINDOW = 128  # steps in the fit: a few seconds of serving, so a change of load shape is learnt quickly
 REFIT_EVERY = 8
 RIDGE = 1e-3
+# Steps of varied shape run at start where buckets have TPOT targets, so the first document's chunks are sized
+# from this machine's cost rather than guessed: (prompt tokens, requests added at once).
+CALIBRATION = ((16, 1), (96, 2), (48, 4), (200, 1), (24, 8), (128, 3))
 
 
 def solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -58,6 +61,10 @@ class StepCost:
         if x is None or x[2] <= 0:
             return  # no prompt work in the window to learn its cost from: keep the last fit
         self.fixed, self.per_seq, self.per_token = max(0.0, x[0]), max(0.0, x[1] / 10), x[2] / 100
+
+    def __str__(self) -> str:
+        return (f"{self.fixed * 1e3:.1f} ms + {self.per_seq * 1e3:.2f} ms a sequence + "
+                f"{self.per_token * 1e3:.3f} ms a prompt token")
 
     def predict(self, seqs: int, prompt_tokens: int) -> float:
         return self.fixed + self.per_seq * seqs + self.per_token * prompt_tokens

@@ -22,7 +22,6 @@ import bisect
 import hashlib
 import math
 from dataclasses import dataclass
-from itertools import count
 from typing import TYPE_CHECKING
 
 from .replicas import Replica
@@ -73,7 +72,7 @@ class Balancer:
             raise ValueError(f"unknown routing policy {policy!r}, or precise without its index")
         self.policy, self.load_factor, self.kv_full, self.precise = policy, load_factor, kv_full, precise
         self.ring = Ring([])
-        self.rr = count()
+        self.rr = 0  # round-robin's next turn
 
     def set_urls(self, urls: list[str]) -> None:
         self.ring = Ring(urls)
@@ -99,7 +98,8 @@ class Balancer:
         if not cands:
             return None
         if self.policy == "round-robin":
-            return cands[next(self.rr) % len(cands)]
+            self.rr += 1
+            return cands[(self.rr - 1) % len(cands)]
         roomy = [r for r in cands if r.kv_usage < self.kv_full] or cands
         if self.policy == "least-load" or key is None:
             return min(roomy, key=lambda r: (r.load(), r.kv_usage))
@@ -109,6 +109,26 @@ class Balancer:
             if r is not None or key.ring is None:
                 return r or min(roomy, key=lambda r: (r.load(), r.kv_usage))
             key = key.ring
+        return self.on_ring(roomy, cands, key)
+
+    def preview(self, ready: list[Replica], key: int | Prefix | None) -> Replica | None:
+        """The replica a request with this key would go to now, for admission to predict on, with no side effect:
+        round-robin's turn is not taken, and the precise policy's placement is not recorded (its ring key stands
+        in for its index)."""
+        if not ready:
+            return None
+        if self.policy == "round-robin":
+            return ready[self.rr % len(ready)]
+        if isinstance(key, Prefix):
+            key = key.ring
+        roomy = [r for r in ready if r.kv_usage < self.kv_full] or ready
+        if key is None or self.policy == "least-load":
+            return min(roomy, key=lambda r: (r.load(), r.kv_usage))
+        return self.on_ring(roomy, ready, key)
+
+    def on_ring(self, roomy: list[Replica], cands: list[Replica], key: int) -> Replica:
+        """The first replica under the load bound clockwise from the key, else the least loaded."""
+        bound = math.ceil(self.load_factor * (sum(r.load() for r in cands) + 1) / len(cands))
         by_url = {r.url: r for r in roomy}
         for url in self.ring.walk(key):
             r = by_url.get(url)

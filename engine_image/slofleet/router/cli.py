@@ -16,6 +16,7 @@ from slofleet.api.contract import (
     PREFILL,
     REPLICA_HEADER,
     ROLE_LABEL,
+    RUNTIMES,
     SERVICE_LABEL,
     UNIFIED,
     zmq_problem,
@@ -74,6 +75,21 @@ def add_gateway(parser: argparse.ArgumentParser) -> None:
                         help="in-flight requests per ready replica; beyond a bucket's share of it, it is shed")
     parser.add_argument("--min-shed-share", type=float, default=0.5,
                         help="share of the capacity the least critical priority may use (the most critical: all)")
+    add_admission(parser)
+
+
+def add_admission(parser: argparse.ArgumentParser) -> None:
+    """SLO-predicted admission's priors (predict.Rates holds the defaults): what a replica is assumed to do until
+    the router has measured it."""
+    from .predict import Rates
+
+    prior = Rates()
+    parser.add_argument("--admit-prefill-tps", type=float, default=prior.prefill_tps,
+                        help="slo-predicted admission: prompt tokens/s a replica prefills until measured")
+    parser.add_argument("--admit-step-ms", type=float, default=prior.step_s * 1000,
+                        help="slo-predicted admission: a replica's decode step until measured")
+    parser.add_argument("--admit-headroom", type=float, default=prior.headroom,
+                        help="slo-predicted admission: the share of a TTFT target a predicted (mean) wait may fill")
 
 
 def add_routing(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +98,10 @@ def add_routing(parser: argparse.ArgumentParser) -> None:
 
     from .proxy import RouterConfig as Cfg  # the defaults live there (and in the resource), not in the flags
 
+    parser.add_argument("--runtime", default=Cfg.runtime, choices=RUNTIMES,
+                        help="the server behind the router (spec.engine.runtime): its readiness path and metric names; "
+                             "vllm and slofleet get each request's bucket priority in the body's `priority`, "
+                             "llamacpp does not")
     parser.add_argument("--policy", default=Spec.model_fields["policy"].default,
                         choices=typing.get_args(Spec.model_fields["policy"].annotation))
     parser.add_argument("--model", default=None,
@@ -153,7 +173,8 @@ BOUNDS = {"port": (1, 65535, False), "capacity_per_replica": (1, None, False), "
           "tpm": (0, None, False), "hold_timeout_seconds": (0, None, False), "grace_period": (0, None, False),
           "drain_delay": (0, None, False), "load_factor": (1, None, False), "upstream_ttfb_timeout": (0, None, True),
           "upstream_idle_timeout": (0, None, True), "body_timeout": (0, None, True), "header_timeout": (0, None, True),
-          "health_interval": (0, None, True), "chars_per_token": (0, None, True), "min_shed_share": (0, 1, True)}
+          "health_interval": (0, None, True), "chars_per_token": (0, None, True), "min_shed_share": (0, 1, True),
+          "admit_prefill_tps": (0, None, True), "admit_step_ms": (0, None, False), "admit_headroom": (0, 1, True)}
 
 
 def problem(args: argparse.Namespace) -> str | None:
@@ -211,6 +232,7 @@ def router(args: argparse.Namespace) -> Router:
     from .balancer import Balancer
     from .buckets import DEFAULT_BUCKETS, Classifier, load_buckets
     from .gateway import KeyStore, Quotas
+    from .predict import Predictor, Rates
     from .proxy import Router
     from .replicas import ReplicaSet
 
@@ -224,9 +246,11 @@ def router(args: argparse.Namespace) -> Router:
         keys = KeyStore(args.api_keys_file, args.api_keys_env, args.rpm, args.tpm)
     except (OSError, ValueError) as e:
         raise Usage(str(e)) from None
-    replicas = ReplicaSet(static=static, lister=lister(args), interval=args.health_interval)
-    return Router(config(args), replicas, Classifier(buckets, args.chars_per_token, args.min_shed_share, args.buckets),
-                  keys, Quotas(), Balancer(args.policy, args.load_factor, precise=precise(args)))
+    replicas = ReplicaSet(static=static, lister=lister(args), interval=args.health_interval, runtime=args.runtime)
+    rates = Rates(prefill_tps=args.admit_prefill_tps, step_s=args.admit_step_ms / 1000, headroom=args.admit_headroom)
+    classifier = Classifier(buckets, args.chars_per_token, args.min_shed_share, args.buckets, Predictor(rates))
+    return Router(config(args), replicas, classifier, keys, Quotas(),
+                  Balancer(args.policy, args.load_factor, precise=precise(args)))
 
 
 def lister(args: argparse.Namespace) -> Callable[[], dict[str, str]] | None:
@@ -249,7 +273,7 @@ def config(args: argparse.Namespace) -> RouterConfig:
                         prefill_threshold_tokens=args.prefill_threshold_tokens, hold_timeout=args.hold_timeout_seconds,
                         ttfb_timeout=args.upstream_ttfb_timeout, idle_timeout=args.upstream_idle_timeout,
                         body_timeout=args.body_timeout, max_model_len=args.max_model_len,
-                        otlp_traces_endpoint=args.otlp_traces_endpoint)
+                        otlp_traces_endpoint=args.otlp_traces_endpoint, runtime=args.runtime)
 
 
 def precise(args: argparse.Namespace) -> Precise | None:

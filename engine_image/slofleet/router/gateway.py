@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("slofleet.router.gateway")
 OPTIONS = ("name", "rpm", "tpm")
@@ -165,3 +167,10 @@ class Quotas:
             reqs.level -= 1.0
         if toks.limit:
             toks.level -= cost
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too deep, a number past the digit limit
+        raise GatewayError(400, f"the request body is not valid JSON: {e}", "invalid_request_error") from None

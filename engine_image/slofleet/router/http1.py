@@ -34,7 +34,9 @@ class Conn(asyncio.Protocol):
         self.waiter: asyncio.Future | None = None
         self.sink = None  # while relaying: the client's answer (exchange.Exchange), written after each read
         self.held = b""  # while relaying: the body bytes of the read being parsed
-        self.relayed, self.tail = 0, b""  # chunks relayed, and the last of them
+        # chunks relayed, the last two of them (an SSE stream's usage event may come in the one before its [DONE]),
+        # and the SSE events among them (each ends in a blank line, which no JSON payload holds)
+        self.relayed, self.tail, self.before, self.events = 0, b"", b"", 0
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -67,8 +69,13 @@ class Conn(asyncio.Protocol):
             if body or self.complete:
                 self.last_byte = self.loop.time()
                 if body:
-                    self.relayed, self.tail = self.relayed + 1, body
+                    self.seen(body)
                 sink.write(body, not self.complete)
+
+    def seen(self, body: bytes) -> None:
+        # a blank line split across two reads counts too
+        self.events += body.count(b"\n\n") + (body[:1] == b"\n" and self.tail[-1:] == b"\n")
+        self.relayed, self.tail, self.before = self.relayed + 1, body, self.tail
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -121,9 +128,11 @@ class Conn(asyncio.Protocol):
 
 @dataclass(slots=True, kw_only=True)
 class Progress:
-    """How far a relay got: the chunks relayed, and the last of them."""
+    """How far a relay got: the chunks relayed, the last two of them, and the SSE events among them."""
     chunks: int
     tail: bytes
+    before: bytes = b""
+    events: int = 0
 
 
 class Response:
@@ -162,7 +171,7 @@ class Response:
         if c.chunks or c.complete:  # arrived before the relay began
             body = c.take()
             if body:
-                c.relayed, c.tail = 1, body
+                c.seen(body)
             sink.write(body, not c.complete)
         if sink.slow:
             c.hold()
@@ -177,7 +186,9 @@ class Response:
     def progress(self) -> Progress:
         """How far the relay got so far; ask before `release`."""
         c = self.conn
-        return Progress(chunks=c.relayed, tail=c.tail) if c is not None else Progress(chunks=0, tail=b"")
+        if c is None:
+            return Progress(chunks=0, tail=b"")
+        return Progress(chunks=c.relayed, tail=c.tail, before=c.before, events=c.events)
 
     async def read(self) -> bytes:
         parts = []

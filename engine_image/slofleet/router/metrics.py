@@ -1,16 +1,33 @@
-"""The router's own Prometheus metrics, per bucket: what was admitted, shed and why, time to first byte, and the
+"""The router's own Prometheus metrics, per bucket: what was admitted, shed and why, time to first byte, the SLO
+clocks of every stream it relays (TTFT, TPOT, E2E, as the client sees them, whatever runtime answers), and the
 router's own time by phase (what "outside the model" is made of)."""
 from __future__ import annotations
 
 import bisect
 import itertools
 import math
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from slofleet.api.contract import ROUTER_HELD
+from slofleet.api.contract import (
+    ROUTER_ADMITTED,
+    ROUTER_E2E,
+    ROUTER_HELD,
+    ROUTER_PHASE,
+    ROUTER_REFUSED,
+    ROUTER_SLO,
+    ROUTER_TPOT,
+    ROUTER_TTFT,
+)
+from slofleet.api.v1alpha1 import ADMISSION_MODES
+
+from .buckets import REFUSALS
+
+if TYPE_CHECKING:
+    from slofleet.api.v1alpha1 import Bucket
 
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                  10.0, 30.0, 80.0)
@@ -26,6 +43,12 @@ PHASES = {  # the phase label's values
     "stream": "first byte to last byte relayed (decode, and the client's reading)",
 }
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+# Bounds dense where SLO targets sit, as the engines' (vLLM's and slofleet's) latency histograms: attainment is read
+# by linear interpolation inside the bound holding the target.
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
+                 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
 REJECT_REASONS = ("auth", "quota", "size", "invalid", "slow_client", "shed", "draining", "no_replica", "timeout")
@@ -95,8 +118,19 @@ class RouterMetrics:
                                ["bucket"])
         self.retries = Family(counter, "slofleet:router_retries", "Requests retried on another replica before their "
                               "first byte.", ["bucket"])
+        self.failovers = Family(counter, "slofleet:router_failovers", "Requests answered by another replica than "
+                                "the one tried first.", ["bucket"])
         self.ttfb = Family(histogram, "slofleet:router_time_to_first_byte_seconds", "Arrival to the first byte sent "
                            "back (first token when streaming).", ["bucket"], TTFB_BUCKETS)
+        self.ttft = Family(histogram, ROUTER_TTFT, "Arrival to the first token relayed (a streamed answer's first "
+                           "content event; a whole JSON answer's last byte, when its client sees its first token).",
+                           ["bucket"], LATENCY_BUCKETS)
+        self.tpot = Family(histogram, ROUTER_TPOT, "First token to the last relayed, per output token after the "
+                           "first (streamed answers of two tokens or more).", ["bucket"], TOKEN_BUCKETS)
+        self.e2e = Family(histogram, ROUTER_E2E, "Arrival to the last byte relayed, of answers that ended whole.",
+                          ["bucket"], LATENCY_BUCKETS)
+        self.slo = Family(counter, ROUTER_SLO, "Requests judged against their bucket's SLO targets, by whether all "
+                          "were met; a refused request (429, 503) counts as not met.", ["bucket", "met"])
         self.routed = Family(counter, "slofleet:router_routed", "Requests sent to a replica, by how it was chosen.",
                              ["bucket", "how"])
         self.pd_routes = Family(counter, "slofleet:router_pd_routes", "Requests served, by where their prompt was "
@@ -105,13 +139,15 @@ class RouterMetrics:
                                 ["bucket", "route"])
         self.cut = Family(counter, "slofleet:router_streams_cut", "Responses cut after their first byte, by reason "
                           f"({', '.join(CUT_REASONS)}).", ["bucket", "reason"])
-        self.phase = Family(histogram, "slofleet:router_phase_seconds", "Time a request spends in each router "
+        self.phase = Family(histogram, ROUTER_PHASE, "Time a request spends in each router "
                             "phase: " + "; ".join(f"{k}: {v}" for k, v in PHASES.items()) + ".", ["bucket", "phase"],
                             PHASE_BUCKETS)
         self.held = Family(gauge, ROUTER_HELD, "Requests waiting for a serving replica to become ready "
                            "(the autoscaler's signal to scale up from zero).", ["bucket"])
-        self.families = (self.requests, self.rejected, self.inflight, self.retries, self.ttfb, self.routed,
-                         self.pd_routes, self.cut, self.phase, self.held)
+        self.families = (self.requests, self.rejected, self.inflight, self.retries, self.failovers,
+                         self.ttfb, self.ttft, self.tpot,
+                         self.e2e, self.slo, self.routed, self.pd_routes, self.cut, self.phase, self.held)
+        self.admission = admission_families()
         r.register(self)
         self.replica_up = Gauge("slofleet:router_replica_ready", "1 while the replica passes its health checks.",
                                 ["replica"], registry=r)
@@ -126,7 +162,13 @@ class RouterMetrics:
         the autoscaler reads the held gauge from the start."""
         self.held.labels(bucket)
         self.retries.labels(bucket)
+        self.failovers.labels(bucket)
         self.ttfb.labels(bucket)
+        self.ttft.labels(bucket)
+        self.tpot.labels(bucket)
+        self.e2e.labels(bucket)
+        self.slo.labels(bucket, "true")
+        self.slo.labels(bucket, "false")
         for how in routes:
             self.routed.labels(bucket, how)
         for reason in REJECT_REASONS:
@@ -135,11 +177,38 @@ class RouterMetrics:
             self.cut.labels(bucket, reason)
         for route in PD_ROUTES:
             self.pd_routes.labels(bucket, route)
+        self.zero_admission(bucket)
+
+    def missed(self, bucket: Bucket | None) -> None:
+        """A request of a bucket with an SLO that ended without an answer: refused, failed or cut."""
+        if bucket is not None and bucket.slo is not None:
+            self.slo.labels(bucket.name, "false").inc()
 
     def collect(self):
         """The per-request families, for the registry's scrape."""
-        return [f.collect() for f in self.families]
+        return [f.collect() for f in (*self.families, *self.admission)]
 
     def index(self, index) -> None:
         self.index_blocks.set(len(index))
         self.index_bytes.set(index.bytes)
+
+    def zero_admission(self, bucket: str) -> None:
+        admitted, refused = self.admission
+        for mode in ADMISSION_MODES:
+            admitted.labels(bucket, mode)
+        for reason in REFUSALS:
+            refused.labels(bucket, reason)
+
+    def admitted(self, bucket: str, mode: str) -> None:
+        self.admission[0].labels(bucket, mode).inc()
+
+    def refused(self, bucket: str, reason: str) -> None:
+        self.admission[1].labels(bucket, reason).inc()
+
+
+def admission_families() -> tuple[Family, Family]:
+    """Admission's counts per bucket: what the autoscaler adds up as offered load, and diagnose reads."""
+    return (Family(CounterMetricFamily, ROUTER_ADMITTED, "Requests admitted, by bucket and the bucket's admission "
+                   f"mode ({', '.join(ADMISSION_MODES)}).", ["bucket", "mode"]),
+            Family(CounterMetricFamily, ROUTER_REFUSED, "Requests refused at admission (429 before any engine work), "
+                   f"by bucket and reason ({', '.join(REFUSALS)}).", ["bucket", "reason"]))

@@ -9,12 +9,6 @@ retried on another replica and the client never sees it. A client that disconnec
 closes the upstream connection: the engine aborts the request. A client must send its whole body within
 `body_timeout` (408), so a slow one cannot hold a request open.
 
-Prefill/decode disaggregation: a prompt of at least `prefill_threshold_tokens` (estimated) goes to a decode
-replica with the header x-slofleet-prefill-url naming a prefill replica (chosen like any replica: prefix
-affinity, then load); the decode engine pulls the prompt's KV from it and computes no prompt token itself.
-Shorter prompts, and long ones while no prefill replica is ready, go to a decode (or unified) replica that
-prefills itself: a prefill pool scaled to zero or failing costs latency, never requests.
-
 Scale from zero: while no replica that can serve the request is ready, it is held (up to `hold_timeout`) until
 one is, and counted in slofleet:router_held_requests, the signal the autoscaler scales a pool up from zero on.
 
@@ -35,18 +29,27 @@ from pydantic import ValidationError
 
 from slofleet.api import v1alpha1 as api
 from slofleet.api.base import error_text
-from slofleet.api.contract import BUCKET_HEADER, COMPLETIONS_MAX_TOKENS, REQUEST_ID_HEADER, ROUTER, TPOT_HEADER
+from slofleet.api.contract import (
+    BUCKET_HEADER,
+    COMPLETIONS_MAX_TOKENS,
+    PRIORITY_RUNTIMES,
+    REQUEST_ID_HEADER,
+    ROUTER,
+    SLOFLEET,
+    TPOT_HEADER,
+)
 from slofleet.tracing.core import RequestTrace, Tracing, request_id, with_request_id
 
-from .balancer import Balancer
-from .buckets import Admission, Bucket, Classifier, Ticket
+from .balancer import Balancer, Prefix
+from .buckets import Admission, Bucket, Classifier, Ticket, asks_of
 from .deadline import Deadline
 from .debug import debug_traces
 from .exchange import RELAY, Exchange
-from .gateway import GatewayError, KeyStore, Quotas
+from .gateway import GatewayError, KeyStore, Quotas, parse_json
 from .http1 import Pool
 from .metrics import RouterMetrics
 from .replicas import ReplicaSet
+from .tokenize import TOKENIZE, tokenize
 from .upstream import GENERATE, RETRYABLE, SERVING, Upstream
 from .wire import RoutedBody, error_body, headers_of, internal_auth, respond, with_field
 
@@ -65,6 +68,12 @@ class RouterConfig:
     # the request for ever.
     ttfb_timeout: float = 300.0  # request sent to its first token, over all tries (then 504)
     idle_timeout: float = 60.0  # the longest silence between two chunks of a started answer (then an SSE error)
+    # failover.py: one try's wait for a first byte while another replica can be tried (the bucket's TTFT target,
+    # within these bounds), and the retries in flight allowed (a share of the requests in flight, or the floor)
+    min_try_timeout: float = 1.0
+    try_timeout: float = 30.0
+    retry_budget_percent: float = 20.0
+    retry_budget_floor: int = 3
     body_timeout: float = 30.0  # for the client to send its whole request body (then 408)
     replica_header: bool = False  # answer with REPLICA_HEADER (tests, debugging)
     # the resource's defaults (its field descriptions say what they do), so a local router behaves the same
@@ -73,6 +82,7 @@ class RouterConfig:
     # the engines' context length until one lists its own in /v1/models (the operator passes the resource's)
     max_model_len: int = api.Engine.model_fields["max_model_len"].default
     otlp_traces_endpoint: str = ""  # OTLP/HTTP collector for the router's spans (kept in memory either way)
+    runtime: str = SLOFLEET  # the server behind the router (spec.engine.runtime): what the body may carry
 
 
 @dataclass(slots=True, kw_only=True)
@@ -83,17 +93,11 @@ class Admitted:
     body: RoutedBody
     text: str  # the flattened prompt, for prefix affinity
     tokens: int  # the prompt's tokens, counted or estimated
+    key: int | Prefix | None  # its affinity, for the replica choice
     bucket: Bucket
     ticket: Ticket
     t_gateway: int  # ns: the gateway's checks done
     t_classify: int  # ns: classified and admitted
-
-
-def parse_json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, too deep, a number past the digit limit
-        raise GatewayError(400, f"the request body is not valid JSON: {e}", "invalid_request_error") from None
 
 
 class Router:
@@ -107,10 +111,15 @@ class Router:
         self.inflight = 0
         self.session: aiohttp.ClientSession | None = None
         self.tasks: list[asyncio.Task] = []
-        balancer.set_urls(list(replicas.replicas))
-        replicas.on_change = balancer.set_urls
+        self.listed(list(replicas.replicas))
+        replicas.on_change = self.listed
         for b in classifier.buckets:
             self.metrics.zero(b.name, balancer.hows())
+
+    def listed(self, urls: list[str]) -> None:
+        """The replicas listed changed."""
+        self.balancer.set_urls(urls)
+        self.classifier.predictor.keep(urls)
 
     async def __call__(self, scope, receive, send) -> None:
         path, method = scope["path"], scope["method"]
@@ -133,6 +142,8 @@ class Router:
             return await respond(send, 200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST.encode())
         if method == "GET" and path == "/v1/models":
             return await self.models(scope, send)
+        if method == "POST" and path in TOKENIZE:
+            return await tokenize(self, scope, receive, send, headers)
         if method == "GET" and (path == "/debug/traces" or path.startswith("/debug/traces/")):
             return await debug_traces(self, scope, send)
         await respond(send, 404, error_body(404, f"no route {method} {path}", "not_found_error"))
@@ -202,6 +213,8 @@ class Router:
         """The output tokens to charge: what the engine may generate for this request, never past its context
         (absent max_tokens, a chat completion may run to the end of the context)."""
         room = max(1, (self.replicas.max_model_len or self.cfg.max_model_len) - prompt_tokens)
+        if path == GENERATE[3]:  # embeddings generate nothing
+            return 0
         if requested is None:
             requested = COMPLETIONS_MAX_TOKENS if path == GENERATE[0] else room
         return min(requested, room)
@@ -247,14 +260,19 @@ class Router:
             if quota is not None:
                 self.quotas.charge(quota, tokens, self.output_bound(path, tokens, body.output_tokens()))
             t_gateway = time.time_ns()
-            bucket = self.classifier.classify(tokens, body.output_tokens(), headers, path)
+            bucket = self.classifier.classify(tokens, body.output_tokens(), headers, path, asks_of(data))
+            key = self.balancer.key(body.messages, body.prompt, prompt.text, self.cfg.affinity_chars)
+            serving = self.replicas.ready(SERVING)
+            target = self.balancer.preview(serving, key)
             # With none ready, one replica's worth is admitted and held for the first to come up.
-            ready = len(self.replicas.ready(SERVING)) or (1 if self.cfg.hold_timeout > 0 else 0)
-            ticket = self.classifier.admit(bucket, tokens, self.inflight, self.cfg.capacity_per_replica * ready)
+            ready = len(serving) or (1 if self.cfg.hold_timeout > 0 else 0)
+            ticket = self.classifier.admit(bucket, tokens, self.inflight, self.cfg.capacity_per_replica * ready,
+                                           target.url if target is not None else None, data.get("stream") is True)
         except GatewayError as e:
             reason = {400: "invalid", 401: "auth", 408: "slow_client", 413: "size"}.get(e.status, "quota")
             return await self.reject(send, bucket, reason, e.status, e.message, e.kind, e.retry_after)
         except Admission as e:
+            self.metrics.refused(bucket.name, e.reason)
             return await self.reject(send, bucket, "shed", 429, str(e), "rate_limit_exceeded", e.retry_after)
         except ValidationError as e:
             return await self.reject(send, bucket, "invalid", 400, f"invalid request: {error_text(e)}",
@@ -264,7 +282,8 @@ class Router:
                                      "invalid_request_error")
         except asyncio.CancelledError:
             return None  # the client left while sending its body
-        return Admitted(raw=raw, data=data, body=body, text=prompt.text, tokens=tokens, bucket=bucket,
+        self.metrics.admitted(bucket.name, bucket.admission_mode())
+        return Admitted(raw=raw, data=data, body=body, text=prompt.text, tokens=tokens, key=key, bucket=bucket,
                         ticket=ticket, t_gateway=t_gateway, t_classify=time.time_ns())
 
     async def read_body_in_time(self, receive, headers: dict[str, str], ex: Exchange) -> bytes:
@@ -283,7 +302,7 @@ class Router:
                             REQUEST_ID_HEADER: rt.request_id}
         if bucket.slo is not None and bucket.slo.tpot_ms:  # bounds the prompt work of the engine's steps beside it
             upstream_headers[TPOT_HEADER] = str(bucket.slo.tpot_ms)
-        key = self.balancer.key(req.body.messages, req.body.prompt, req.text, self.cfg.affinity_chars)
+        key = req.key
         self.inflight += 1
         self.metrics.inflight.labels(bucket.name).inc()
         # The answer is relayed in this task; the front calls back when the client leaves, which cancels it
@@ -299,8 +318,9 @@ class Router:
         try:
             if ex.gone:  # it left before the callback was set
                 client_left()
-            # the bucket's priority, never the client's own claim
-            payload = with_field(req.raw, req.data, "priority", bucket.priority)
+            # the bucket's priority, never the client's own claim, to the runtimes that order their queue by it
+            payload = with_field(req.raw, req.data, "priority", bucket.priority) \
+                if self.cfg.runtime in PRIORITY_RUNTIMES else req.raw
             return await self.upstream.forward(send, ex, path, payload, upstream_headers, key, req.ticket, t0,
                                                req.tokens, rt)
         except asyncio.CancelledError:
@@ -319,6 +339,7 @@ class Router:
                      retry_after: int | None = None) -> int:
         name = bucket.name if bucket else "-"
         self.metrics.rejected.labels(name, reason).inc()
+        self.metrics.missed(bucket)  # refused counts as not within the SLO
         self.metrics.requests.labels(name, str(status)).inc()
         extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
         await respond(send, status, error_body(status, message, kind), headers=extra)

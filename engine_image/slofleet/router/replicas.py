@@ -5,15 +5,24 @@ Each replica has a role (unified, prefill or decode, as `slofleet serve --role`)
 with, or from the `slofleet.dev/role` label the operator puts on each role's Service, which the EndpointSlice
 controller copies onto the Service's slices.
 
-A replica serves traffic only while its /ready answers 200. A not-ready answer, a refused connection on a probe,
+A replica serves traffic only while its readiness path answers 200 (slofleet's /ready; vLLM's and llama-server's
+/health: contract.READY_PATH). A not-ready answer, a refused connection on a probe,
 or a refused connection while proxying takes it out at once (so a dead pod stops getting requests within one
 probe interval); probes that time out take it out only after a few in a row, since a busy engine answers late.
-It comes back on its next successful probe."""
+It comes back on its next successful probe.
+
+Outlier detection (as Envoy's): a replica whose proxied tries fail `eject_after` times in a row (refused, reset,
+a 503, or no first byte within the try's limit) is ejected: its probes cannot bring it back for `eject_seconds`
+times the number of its ejections so far (up to `max_eject_factor`), so a replica that keeps failing stops
+costing retries. An answer resets its count. A replica is ejected only while another of its role is ready and not
+ejected (a fault of the whole fleet, or of the last one standing, is not an outlier): else it is only taken out,
+and returns on its next good probe."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,12 +30,12 @@ from typing import Any
 import aiohttp
 
 from slofleet.api.contract import (
-    KV_USAGE,
-    NUM_RUNNING,
-    NUM_WAITING,
+    READY_PATH,
     ROLE_LABEL,
     ROLES,
+    RUNTIME_METRICS,
     SERVICE_LABEL,
+    SLOFLEET,
     UNIFIED,
     load_kube_config,
     parse_samples,
@@ -37,7 +46,16 @@ from .wire import internal_auth
 
 log = logging.getLogger("slofleet.router.replicas")
 
-SCRAPED = {NUM_WAITING: "waiting", NUM_RUNNING: "running", KV_USAGE: "kv_usage"}
+
+
+def scraped(runtime: str) -> dict[str, str]:
+    """The runtime's series for the three gauges the router reads (those it exports), by the Replica field."""
+    rm = RUNTIME_METRICS[runtime]
+    return {name: attr for attr, name in (("waiting", rm.waiting), ("running", rm.running),
+                                          ("kv_usage", rm.kv_usage)) if name}
+
+
+SCRAPED = scraped(SLOFLEET)
 
 
 @dataclass
@@ -51,6 +69,9 @@ class Replica:
     kv_usage: float = 0.0
     slow_probes: int = 0  # consecutive probes that timed out
     max_model_len: int | None = None  # the engine's context length, from its /v1/models
+    fails: int = 0  # proxied tries failed in a row
+    ejections: int = 0  # times ejected since its last answer
+    ejected_until: float = 0.0  # monotonic s: its probes bring it back only after this
 
     def load(self) -> float:
         """Requests on the replica: what this router sent, or what the engine reports when other routers
@@ -58,10 +79,11 @@ class Replica:
         return max(float(self.inflight), self.waiting + self.running)
 
 
-def parse_load(text: str) -> dict[str, float]:
-    """The three gauges the router needs, summed over label sets. Raises ValueError on a malformed answer."""
-    sums = sum_by_name(parse_samples(text), SCRAPED.keys())
-    return {attr: sums[name] for name, attr in SCRAPED.items()}
+def parse_load(text: str, names: dict[str, str] = SCRAPED) -> dict[str, float]:
+    """The three gauges the router needs (by `scraped`'s names), summed over label sets. Raises ValueError on a
+    malformed answer."""
+    sums = sum_by_name(parse_samples(text), names.keys())
+    return {attr: sums[name] for name, attr in names.items()}
 
 
 def endpoints_from_slices(slices: list[Any], port_name: str | None, scheme: str = "http") -> dict[str, str]:
@@ -133,8 +155,13 @@ class ReplicaSet:
     # Set (and replaced) each time a replica turns ready: requests held while none was ready wait on it.
     became_ready: asyncio.Event = field(default_factory=asyncio.Event)
     max_model_len: int | None = None  # the longest context any replica listed (kept while none is up)
+    runtime: str = SLOFLEET  # what serves in the replicas: their readiness path and metric names
+    eject_after: int = 3  # proxied tries failed in a row that eject a replica
+    eject_seconds: float = 10.0  # an ejection's length, times the replica's ejections so far
+    max_eject_factor: int = 10
 
     def __post_init__(self) -> None:
+        self.ready_path, self.names = READY_PATH[self.runtime], scraped(self.runtime)
         self.set_urls(self.static)
 
     def set_urls(self, urls: dict[str, str]) -> None:
@@ -156,15 +183,40 @@ class ReplicaSet:
             log.warning("replica %s taken out: %s", replica.url, why)
         replica.ready = False
 
+    def failed(self, replica: Replica, why: str, out: bool = True) -> None:
+        """A proxied try failed: count it, take the replica out (unless `out` is False: a slow answer, not a dead
+        replica), and eject it after `eject_after` in a row."""
+        replica.fails += 1
+        if out:
+            self.mark_failed(replica, why)
+        if replica.fails < self.eject_after or self.ejected(replica):
+            return
+        now = time.monotonic()
+        peers = [r for r in self.replicas.values() if r.role == replica.role and r is not replica]
+        if not any(r.ready and r.ejected_until <= now for r in peers):
+            return  # the last of its role ready and not ejected: a fault of the fleet, not of this replica
+        replica.ejections += 1
+        length = self.eject_seconds * min(replica.ejections, self.max_eject_factor)
+        replica.ejected_until, replica.ready = now + length, False
+        log.warning("replica %s ejected for %g s: %d tries failed in a row (%s)", replica.url, length, replica.fails,
+                    why)
+
+    def answered(self, replica: Replica) -> None:
+        replica.fails = replica.ejections = 0
+
+    @staticmethod
+    def ejected(replica: Replica) -> bool:
+        return replica.ejected_until > time.monotonic()
+
     async def probe(self, client: aiohttp.ClientSession, r: Replica) -> None:
         try:
-            async with client.get(r.url + "/ready") as resp:
+            async with client.get(r.url + self.ready_path) as resp:
                 ready = resp.status == 200
             if ready:
                 async with client.get(r.url + "/metrics") as resp:
                     text = await resp.text()
                 try:
-                    for attr, value in parse_load(text).items():
+                    for attr, value in parse_load(text, self.names).items():
                         setattr(r, attr, value)
                 except ValueError as e:  # a half-written answer: keep the last load; readiness is /ready's
                     log.warning("replica %s: unreadable /metrics: %s", r.url, e)
@@ -178,7 +230,7 @@ class ReplicaSet:
             r.slow_probes = 0
         if not ready:
             self.mark_failed(r, why)
-        elif not r.ready:
+        elif not r.ready and not self.ejected(r):
             log.info("replica %s (%s) is ready", r.url, r.role)
             await self.learn_context(client, r)
             r.ready = True

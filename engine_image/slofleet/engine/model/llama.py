@@ -79,6 +79,14 @@ class CausalLM(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits, contiguous and in the model's dtype (the sampler widens what it needs), for the rows in
         logits_indices only: prompt positions never reach the LM head."""
+        return self.ops.linear(self.hidden(input_ids, positions, kv_caches, meta, logits_indices), self.lm_head
+                               ).contiguous()
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The last hidden state (after the final norm) at `rows` (None: every position), which the LM head reads and
+        pooling (pooling.py) averages."""
         x, delta = self.embed_tokens(input_ids), None
         cos, sin = self.rotary.at(positions)
         stacked = None if self.stack is None else self.stack.run(x, cos, sin, kv_caches, meta)
@@ -87,8 +95,9 @@ class CausalLM(nn.Module):
         else:
             for layer, (kc, vc) in zip(self.layers, kv_caches):
                 x, delta = layer(x, delta, cos, sin, kc, vc, meta)
-        h = self.ops.add_rms_norm(x[logits_indices], delta[logits_indices], self.norm.weight, self.norm.eps)
-        return self.ops.linear(h, self.lm_head).contiguous()
+        if rows is not None:
+            x, delta = x[rows], delta[rows]
+        return self.ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Fill the fused parameters from Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import gc
 import logging
 import os
 import threading
@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slofleet.api.contract import BUCKET_HEADER, COMPLETIONS_MAX_TOKENS, KV_MAC_HEADER, PREFILL_HEADER, TPOT_HEADER
@@ -28,22 +27,25 @@ from ..engine import LLMEngine, RequestOutput
 from ..errors import AdmissionError, InvalidRequest, UpstreamError
 from ..kv_transfer import KVPayload
 from ..request import FinishReason
+from ..request import Request as EngineRequest
 from ..sampling_params import SamplingParams
+from .admit import LocalAdmission, watched
 from .async_engine import AsyncEngine
 from .collector import DEFAULT_BUCKET, BucketLabels  # the contract's, as the engine labels it
+from .guard import Guard
 from .handoff import fetch_kv, is_loopback, mac, peer_base
 from .http import ApiError, from_engine, parse, read_body, seconds_of_ms, unavailable
 from .kv_events import KVEventPublisher
 from .lifecycle import drain, for_role
 from .metrics import Metrics
-from .openai_format import chat_handlers, completion_handlers
+from .openai_format import chat_handlers, completion_handlers, tool_chat_handlers
 from .protocol import ChatCompletionRequest, CompletionRequest, PrefillRequest, SamplingFields
 from .settings import ServerSettings
+from .tokenize import add_tokenize_routes
+from .tools import chat_constraint, chat_prompt, constrained
 from .tracing import Traced, add_debug_routes, handoff_span
 
 log = logging.getLogger("slofleet.engine.api")
-# What a gateway's traffic may reach without the internal token, under --no-require-internal-token.
-GATEWAY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
 FATAL_EXIT_DELAY = 1.0  # seconds for open requests to receive their error before the process exits
 
 
@@ -52,7 +54,8 @@ class State:
 
     def __init__(self, config: EngineConfig, settings: ServerSettings):
         self.config, self.settings = config, settings
-        self.buckets = BucketLabels(config.buckets())
+        self.buckets = BucketLabels(config.buckets() | set(settings.bucket_ttft_map()))
+        self.admission = LocalAdmission(settings.bucket_ttft_map()) if settings.bucket_ttft_ms else None
         self.engine: LLMEngine | None = None
         self.async_engine: AsyncEngine | None = None
         self.metrics: Metrics | None = None
@@ -61,6 +64,7 @@ class State:
         self.load_error: BaseException | None = None
         self.kv_events: KVEventPublisher | None = None  # with --kv-events-endpoint
         self.on_load_failure: Callable[[], None] | None = None  # `slofleet serve` stops: nothing here will serve
+        self.freeze_gc = False  # this process serves one engine for its life (`slofleet serve`): see load()
 
     @property
     def failure(self) -> BaseException | None:
@@ -76,6 +80,8 @@ class State:
                                       SamplingParams(max_tokens=2, ignore_eos=True))
             while not warm.finished:
                 engine.step()
+            if self.freeze_gc:  # a full collection walks the model's and libraries' objects, stalling every stream
+                gc.freeze()
             self.engine, self.metrics = engine, Metrics(engine, self.settings.price_per_hour, self.buckets.known)
             self.async_engine = AsyncEngine(engine, self.metrics.observe, on_fatal=self.exit_soon,
                                             on_step=self.metrics.observe_step)
@@ -153,11 +159,12 @@ async def start(request: Request, body: SamplingFields, prompt: Callable[[LLMEng
     bad = body.unsupported()
     if bad:
         raise ApiError(400, f"unsupported parameter(s): {', '.join(bad)}", param=bad[0].split()[0])
-    rid = request.state.request_id
+    rid, watch, req = request.state.request_id, None, None
     try:
         ids_or_text, sampling = prompt(engine), params()
+        watch = state.admission and state.admission.watch(engine, bucket_of(request), body.priority, ids_or_text)
         kv = None
-        if request.headers.get(PREFILL_HEADER):
+        if request.headers.get(PREFILL_HEADER) and sampling.n == 1:  # a hand-off carries one sample's first token
             kv = await handoff(request, engine, engine.tokenize(ids_or_text), sampling)
         req, queue = state.async_engine.add(ids_or_text, sampling, rid, body.priority, bucket_of(request), kv=kv,
                                             tpot=tpot_of(request))
@@ -167,7 +174,10 @@ async def start(request: Request, body: SamplingFields, prompt: Callable[[LLMEng
         raise from_engine(e) from None
     except (InvalidRequest, UpstreamError) as e:
         raise from_engine(e) from None
-    return engine, req, results(state, req.request_id, queue)
+    finally:
+        if watch and req is None:  # admitted, then not queued after all
+            state.admission.end(watch)
+    return engine, req, watched(state.admission, watch, results(state, req, queue))
 
 
 async def handoff(request: Request, engine: LLMEngine, ids: list[int], sampling: SamplingParams) -> KVPayload:
@@ -189,22 +199,24 @@ def bucket_of(request: Request) -> str:
     return state_of(request).buckets.label(request.headers.get(BUCKET_HEADER, DEFAULT_BUCKET))
 
 
-async def results(state: State, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-    """Yield the request's deltas; abort it in the engine if the consumer goes away first."""
-    finished = False
+async def results(state: State, req: EngineRequest, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    """Yield the deltas of the request's samples as they come; abort those still open in the engine if the consumer
+    goes away first."""
+    rid, open_ids = req.request_id, {r.request_id for r in req.samples()}
     try:
-        while not finished:
+        while open_ids:
             out = await queue.get()
             if isinstance(out, ApiError):  # cut at the end of the shutdown's grace period (lifecycle.py)
                 raise out
             if out is None or out.finish_reason is FinishReason.ERROR:
                 raise ApiError(500, f"the engine failed while serving this request (request id {rid})",
                                "server_error")
-            finished = out.finished
+            if out.finished:
+                open_ids.discard(out.request_id)
             yield out
     finally:
-        if not finished:
-            state.async_engine.abort(rid)
+        for sample_id in open_ids:
+            state.async_engine.abort(sample_id)
 
 
 async def respond(request: Request, stream: bool, chunks, full) -> Response:
@@ -222,26 +234,28 @@ async def respond(request: Request, stream: bool, chunks, full) -> Response:
 
 async def completions(request: Request) -> Response:
     body: CompletionRequest = await body_of(request, CompletionRequest)
-    engine, req, outs = await start(request, body, lambda _: body.single_prompt(), lambda: body.sampling_params(
-        COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens, body.logprobs))
+    try:
+        params = await constrained(state_of(request).engine_or_503().grammars, lambda: body.sampling_params(
+            COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens, body.logprobs), body.constraint)
+    except InvalidRequest as e:
+        raise from_engine(e) from None
+    engine, req, outs = await start(request, body, lambda _: body.single_prompt(), params)
     chunks, full = completion_handlers(engine, body, req, request.state.request_id, outs)
     return await respond(request, body.stream, chunks, full)
 
 
-def chat_prompt(engine: LLMEngine, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-    try:
-        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False)
-    except (ValueError, TemplateError) as e:  # the model's template refuses this conversation
-        raise InvalidRequest(f"messages: {e}", "messages") from None
-
-
 async def chat(request: Request) -> Response:
     body: ChatCompletionRequest = await body_of(request, ChatCompletionRequest)
-    engine, req, outs = await start(request, body, lambda e: chat_prompt(e, body), lambda: body.sampling_params(
-        body.resolved_max_tokens(), body.resolved_logprobs()))
-    chunks, full = chat_handlers(engine, body, req, request.state.request_id, outs)
+    try:
+        plan = body.tool_plan()
+        params = await constrained(state_of(request).engine_or_503().grammars, lambda: body.sampling_params(
+            body.resolved_max_tokens(), body.resolved_logprobs()), lambda: chat_constraint(body, plan))
+    except InvalidRequest as e:
+        raise from_engine(e) from None
+    engine, req, outs = await start(request, body, lambda e: chat_prompt(e, body, plan), params)
+    rid = request.state.request_id
+    chunks, full = (tool_chat_handlers(engine, body, req, rid, outs, plan) if plan.active
+                    else chat_handlers(engine, body, req, rid, outs))
     return await respond(request, body.stream, chunks, full)
 
 
@@ -260,7 +274,7 @@ async def kv_prefill(request: Request) -> Response:
         raise ApiError(400, f"sampling: {e}") from None
     except (InvalidRequest, AdmissionError, UpstreamError) as e:
         raise from_engine(e) from None
-    outs = [out async for out in results(state, req.request_id, queue)]
+    outs = [out async for out in results(state, req, queue)]
     if outs[-1].kv is None:
         raise ApiError(500, f"prefill ended without KV ({outs[-1].finish_reason})", "server_error")
     data, token = outs[-1].kv.to_bytes(), state.settings.internal_token
@@ -269,48 +283,6 @@ async def kv_prefill(request: Request) -> Response:
 
 
 # -- the app -------------------------------------------------------------------------------------------------
-def bearer_is(request: Request, key: str) -> bool:
-    given = request.headers.get("authorization", "")
-    return bool(key) and hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
-
-
-class Guard:
-    """The API key (on /v1/* and /debug/*), and the last line of defence: an unexpected error fails this request
-    only, with its request id (Traced's), which the log line carries too. Plain ASGI, so handlers still see the
-    client's disconnect."""
-
-    def __init__(self, app, settings: ServerSettings):
-        self.app, self.settings = app, settings
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        state = scope["state"]
-        rid = state["request_id"]  # Traced's, outside this one
-        keys, request = [self.settings.api_key, self.settings.internal_token], Request(scope)
-        state["internal"] = bearer_is(request, self.settings.internal_token)
-        gateway = not self.settings.require_internal_token and scope["path"] in GATEWAY_PATHS
-        needed = self.settings.api_key if gateway else any(keys)
-        if needed and scope["path"].startswith(("/v1/", "/debug/")) and not any(bearer_is(request, k) for k in keys):
-            err = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
-            return await err.response()(scope, receive, send)
-        started = False
-
-        async def tracked(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracked)
-        except Exception:
-            log.exception("request %s failed", rid)
-            if started:
-                raise
-            err = ApiError(500, f"internal error while serving this request (request id {rid})", "server_error")
-            await err.response()(scope, receive, send)
-
-
 def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> FastAPI:
     state = State(config, settings or ServerSettings())
     s = state.settings
@@ -336,9 +308,12 @@ def build_app(config: EngineConfig, settings: ServerSettings | None = None) -> F
     app.add_exception_handler(ApiError, lambda _, exc: exc.response())
     for path, handler in (("/health", health), ("/ready", ready), ("/metrics", metrics), ("/v1/models", models)):
         app.add_api_route(path, handler, methods=["GET"])
-    for path, handler in (("/v1/completions", completions), ("/v1/chat/completions", chat),
-                          ("/v1/kv/prefill", kv_prefill)):
+    from .embeddings import embeddings  # these two import this module's start and respond
+    from .responses import responses
+    for path, handler in (("/v1/completions", completions), ("/v1/chat/completions", chat), ("/v1/kv/prefill",
+                          kv_prefill), ("/v1/responses", responses), ("/v1/embeddings", embeddings)):
         app.add_api_route(path, for_role(config.role, path, handler), methods=["POST"])
     app.add_api_route("/v1/drain", drain, methods=["POST", "DELETE"])
+    add_tokenize_routes(app)
     add_debug_routes(app, tracing)
     return app

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable
 
 from ..engine import LLMEngine, RequestOutput
@@ -28,6 +29,7 @@ class AsyncEngine:
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
+        self.calls: deque[tuple[Callable, asyncio.Future]] = deque()  # work for the engine's thread, between steps
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -54,9 +56,30 @@ class AsyncEngine:
         except Exception:
             self.queues.pop(request_id, None)
             raise
-        self.live.add(request_id)
+        for sample in req.samples():  # n > 1: every sample's deltas go to the one queue
+            self.queues[sample.request_id] = queue
+            self.live.add(sample.request_id)
         self.wake.set()
         return req, queue
+
+    def call(self, fn: Callable) -> asyncio.Future:
+        """Run fn on the engine's thread between two steps (the model is not to be run from two threads at once);
+        the future holds its result or its exception."""
+        if self.error is not None:
+            raise RuntimeError("the engine loop is dead")
+        future = self.loop.create_future()
+        self.calls.append((fn, future))
+        self.wake.set()
+        return future
+
+    def _run_calls(self) -> None:
+        while self.calls:
+            fn, future = self.calls.popleft()
+            try:
+                result, error = fn(), None
+            except Exception as e:  # the caller's to report
+                result, error = None, e
+            self.loop.call_soon_threadsafe(_settle, future, result, error)
 
     def abort(self, request_id: str) -> None:
         if self.queues.pop(request_id, None) is not None:
@@ -73,6 +96,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self.stopping:
+                self._run_calls()
                 if not self.engine.has_unfinished():
                     self.wake.wait(0.1)
                     self.wake.clear()
@@ -96,3 +120,8 @@ class AsyncEngine:
         queue = self.queues.pop(request_id, None)
         if queue is not None:
             queue.put_nowait(None)
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if not future.done():  # its caller may have gone
+        future.set_exception(error) if error is not None else future.set_result(result)

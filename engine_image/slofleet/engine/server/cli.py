@@ -9,7 +9,7 @@ import threading
 
 from ..config import EngineConfig
 from .lifecycle import cut_open_requests
-from .settings import ServerSettings
+from .settings import ServerSettings, kv_pool_problem
 
 
 def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -40,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings, config = _from_args(ServerSettings, args), _from_args(EngineConfig, args)
+        problem = kv_pool_problem(config.kv_cache_memory_gb, config.num_blocks)
+        if problem:
+            raise ValueError(problem)
     except ValueError as e:
         print(f"slofleet serve: {e}", file=sys.stderr)
         return 2
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=settings.grace_period))
     state = app.state.slofleet
     state.on_load_failure = lambda: setattr(server, "should_exit", True)
+    state.freeze_gc = True
     server.run()
     if state.load_error is not None:
         print(f"slofleet serve: the engine did not start: {state.load_error}", file=sys.stderr)

@@ -21,7 +21,7 @@ from slofleet.api.contract import DECODE, PREFILL
 from .http import ApiError
 
 log = logging.getLogger("slofleet.engine.lifecycle")
-GENERATION = ("/v1/completions", "/v1/chat/completions")
+GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 PREFILL_PATH = "/v1/kv/prefill"
 CUT_MESSAGE = "the server shut down before this request finished (its grace period ended); retry the request"
 

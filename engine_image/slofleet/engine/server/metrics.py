@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from ..engine import LLMEngine, RequestOutput
 from ..request import Event, FinishReason
@@ -28,12 +29,42 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PRIORITY_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100)
 LABELS = ("model_name", "bucket")
 
+# A constrained answer cut by its length never closed its grammar: the schema failures model routing weighs.
+STRUCTURED_DOC = ("Finished requests under an output constraint (structured outputs, required or named tools), by "
+                  "reason: `length` is an answer cut before its grammar ended, a schema failure.")
+
+class PickerCollector:
+    """What the Gateway API Inference Extension's endpoint picker reads by default and vLLM V1 no longer names the
+    same way: the KV usage under vLLM's former name, and the LoRA info gauge, empty while no adapter is loaded (the
+    picker logs an error on every refresh of a pod without it)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        kv = GaugeMetricFamily("vllm:gpu_cache_usage_perc", "Fraction of KV blocks in use (0-1); the name the "
+                               "endpoint picker reads, same value as vllm:kv_cache_usage_perc.", labels=["model_name"])
+        kv.add_metric([self.engine.model_name], self.engine.stats().kv_usage)
+        yield kv
+        # vLLM's convention: one series whose labels list the adapters and whose value is when they were read.
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters (none here).",
+                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        lora.add_metric(["", "", "0"], time.time())
+        yield lora
+
+
+def registry_for(engine: LLMEngine, price_per_hour: float, buckets: tuple[str, ...]) -> CollectorRegistry:
+    """The scrape-time collectors; Metrics adds its histograms and counters to the same registry."""
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, price_per_hour, buckets))
+    registry.register(PickerCollector(engine))
+    return registry
+
 
 class Metrics:
     def __init__(self, engine: LLMEngine, price_per_hour: float = 0.0, buckets: Iterable[str] = ()):
         self.model, self.price_per_second, known = engine.model_name, price_per_hour / 3600, tuple(buckets)
-        self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, price_per_hour, known))
+        self.registry = registry_for(engine, price_per_hour, known)
 
         def hist(name: str, doc: str, bounds=LATENCY_BUCKETS, labels=LABELS) -> Histogram:
             return Histogram(name, doc, labels, buckets=bounds, registry=self.registry)
@@ -82,6 +113,7 @@ class Metrics:
         self.preempted = counter("slofleet:request_preemptions", "Preemptions of finished requests.")
         # quality
         self.success = counter("vllm:request_success", "Finished requests by reason.", [*LABELS, "finished_reason"])
+        self.structured = counter("slofleet:structured_output_requests", STRUCTURED_DOC, [*LABELS, "finished_reason"])
         # cost
         self.busy = counter("slofleet:request_engine_seconds", "Engine step time attributed to requests (each step "
                             "split over the requests in it).")
@@ -152,6 +184,8 @@ class Metrics:
         self.sampling.labels(*labels, "greedy" if req.params.greedy else "sampled").inc()
         self.preempted.labels(*labels).inc(req.count(Event.PREEMPTED))
         self.success.labels(*labels, str(out.finish_reason)).inc()
+        if req.params.structured is not None:
+            self.structured.labels(*labels, str(out.finish_reason)).inc()
         self.busy.labels(*labels).inc(req.busy_s)
         self.cost.labels(*labels).inc(req.busy_s * self.price_per_second)
         log.info(json.dumps({

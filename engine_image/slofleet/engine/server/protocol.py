@@ -9,72 +9,112 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from ..sampling_params import INT32_MAX, SamplingParams, problem, unicode_problem
+from ..sampling_params import SamplingParams, problem, unicode_problem
+from ..structured import Constraint
+from .fields import Int32, ShortText, StreamOptions, Strict, Text, refuse, text_or_ids_problem, token_ids_problem
+from .params import REFUSED, refusals
+from .tools import ToolPlan, constraint_of
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "max_tokens", "min_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
-                   "include_stop_str_in_output")
+                   "include_stop_str_in_output", "n", "logit_bias", "skip_special_tokens")
 
 
-def refuse(msg: str | None) -> None:
-    """A field's problem as a pydantic error, so the 400 names the field (its loc) and says what is wrong."""
-    if msg:
-        raise PydanticCustomError("invalid_value", msg)
+# -- structured outputs and tools (their logic: engine/structured.py, server/tools.py) ------------------------
+class JsonSchemaFormat(Strict):
+    name: ShortText = "response"
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # enforced either way: the grammar holds the output to the schema
 
 
-def _valid_unicode(v):
-    refuse(unicode_problem(v) if isinstance(v, str) else None)
-    return v
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
-def _text_type(max_length: int | None = None):
-    return Annotated[str, Field(max_length=max_length), BeforeValidator(_valid_unicode)]
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`: one of these constraints."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, min_length=1)
+    grammar: Text | None = None
+    json_object: bool | None = None
 
 
-Text, ShortText = _text_type(), _text_type(256)
-Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+class GuidedFields(Strict):
+    """The constraint fields (OpenAI's response_format, vLLM's structured_outputs and its older guided_*)."""
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1)
+    guided_grammar: Text | None = None
+    guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The one constraint asked for (None: free text); InvalidRequest when several are, or one is malformed."""
+        return constraint_of(self)
 
 
-def token_ids_problem(ids: list) -> str | None:
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        return "token ids must be integers"
-    bad = [t for t in ids if not 0 <= t <= INT32_MAX]
-    return f"token ids must be >= 0, got {bad[:5]}" if bad else None
+class FunctionDef(Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
-def text_or_ids_problem(p) -> str | None:
-    if isinstance(p, str):
-        return unicode_problem(p)
-    if isinstance(p, list) and not any(isinstance(x, (str, list)) for x in p):
-        return token_ids_problem(p)
-    return "must be a string, a list of token ids, or a one-element list holding either"
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class NamedFunction(Strict):
+    name: ShortText
 
 
-class StreamOptions(Strict):
-    include_usage: bool = False
+class NamedTool(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
-class SamplingFields(Strict):
+class CalledFunction(Strict):
+    name: ShortText
+    arguments: Text
+
+
+class ToolCallIn(Strict):
+    """A tool call of an earlier assistant turn, as the history sends it back."""
+    id: ShortText
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ToolFields(Strict):
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self) -> ToolPlan:
+        return ToolPlan.of(self.tools or [], self.tool_choice, self.parallel_tool_calls)
+
+
+class SamplingFields(GuidedFields):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
     model: ShortText
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = Field(1, ge=1, le=128)
+    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: list[str] = Field(default_factory=list)  # a single string arrives as a list of one
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
     user: ShortText | None = None
     # vLLM extras
     top_k: int = -1
@@ -84,7 +124,17 @@ class SamplingFields(Strict):
     stop_token_ids: list[int] = Field(default_factory=list)  # the vocabulary bound is the engine's to check
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     priority: Int32 | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data):
+        """vLLM's parameters this server does not take, refused with their reason (params.py)."""
+        if isinstance(data, dict):
+            refuse(refusals(data))
+            data = {k: v for k, v in data.items() if k not in REFUSED}
+        return data
 
     @field_validator(*SAMPLING_FIELDS, mode="before")
     @classmethod
@@ -103,12 +153,11 @@ class SamplingFields(Strict):
 
     def unsupported(self) -> list[str]:
         """OpenAI parameters accepted by the schema but not implemented by the engine."""
-        out = []
-        if self.n != 1:
-            out.append("n (only n=1)")
-        if self.logit_bias:
-            out.append("logit_bias")
-        return out
+        return []
+
+    def samples(self) -> int:
+        """How many samples the engine runs (best_of where it asks for more than n)."""
+        return self.n
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -116,7 +165,8 @@ class SamplingFields(Strict):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, max_tokens=max_tokens, min_tokens=self.min_tokens,
             seed=self.seed, stop=list(self.stop), stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs)
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs, n=self.samples(),
+            logit_bias=self.logit_bias, skip_special_tokens=self.skip_special_tokens)
 
 
 class CompletionRequest(SamplingFields):
@@ -139,9 +189,32 @@ class CompletionRequest(SamplingFields):
         refuse(problem("logprobs", v))
         return v
 
+    @field_validator("best_of", mode="before")
+    @classmethod
+    def _best_of(cls, v, info: ValidationInfo):
+        if v is not None:
+            refuse(problem("n", v))
+            n = info.data.get("n", 1)
+            refuse(f"must be >= n ({n}), got {v}" if isinstance(v, int) and v < n else None)
+        return v
+
+    def samples(self) -> int:
+        return max(self.n, self.best_of or 1)
+
+    def ranked(self) -> bool:
+        """Whether the server must pick the n best of more samples (by their cumulative log-probability)."""
+        return self.samples() > self.n
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        # best_of ranks samples by their tokens' log-probabilities: the sampler computes them (shown only if asked)
+        return super().sampling_params(max_tokens, 0 if logprobs is None and self.ranked() else logprobs)
+
     def unsupported(self) -> list[str]:
         out = super().unsupported()
-        out += [name for name, bad in (("echo", self.echo), ("best_of", self.best_of not in (None, 1)),
+        out += [name for name, bad in (("echo with logprobs (prompt log-probabilities are not computed)",
+                                        self.echo and self.logprobs is not None),
+                                       ("best_of with stream (the best samples are known only at the end)",
+                                        self.ranked() and self.stream),
                                        ("suffix", bool(self.suffix))) if bad]
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)) and len(p) != 1:
@@ -176,9 +249,11 @@ def content_problem(content) -> str | None:
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
     name: ShortText | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: ShortText | None = None  # a tool turn: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -192,17 +267,13 @@ class ChatMessage(Strict):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
 
     @field_validator("max_completion_tokens", mode="before")
     @classmethod
@@ -220,10 +291,8 @@ class ChatCompletionRequest(SamplingFields):
 
     def unsupported(self) -> list[str]:
         out = super().unsupported()
-        out += [name for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
+        out += [f"{name} (send tools and tool_choice)" for name in ("functions", "function_call")
                 if getattr(self, name) is not None]
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            out.append("response_format (text only)")
         return out
 
     def resolved_max_tokens(self) -> int | None:

@@ -6,6 +6,12 @@ from dataclasses import dataclass, field
 
 from slofleet.api.contract import DEFAULT_ENGINE_PORT, DEFAULT_GRACE_SECONDS, INTERNAL_TOKEN_ENV, zmq_problem
 
+# The container's memory limit in bytes, as a pod gets it from `resourceFieldRef: {resource: limits.memory}`; without
+# it, the cgroup's own limit (v2, then v1) is read.
+MEMORY_LIMIT_ENV = "SLOFLEET_MEMORY_LIMIT"
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+NO_LIMIT = 1 << 60  # cgroup v1 writes a number near 2**63 for "no limit"
+
 
 @dataclass(slots=True, kw_only=True)
 class ServerSettings:
@@ -36,6 +42,10 @@ class ServerSettings:
     kv_events_replay_endpoint: str = field(default="", metadata={
         "help": "answer replay requests for missed KV event batches (ZMQ ROUTER) on this address, e.g. "
                 "tcp://0.0.0.0:5558"})
+    bucket_ttft_ms: str = field(default="", metadata={
+        "help": "TTFT target per bucket in ms, e.g. 'chat=500,doc=1500': a request predicted to miss it (from the "
+                "prompt tokens queued at its priority or higher and the measured prefill rate) gets 429 with "
+                "Retry-After before any engine work (as the router's slo-predicted admission)"})
     require_internal_token: bool = field(default=True, metadata={
         "help": "with an internal token, every /v1/* call needs it; --no-require-internal-token lets callers without "
                 "it use the generation endpoints (completions, chat, models): a gateway and its endpoint picker in "
@@ -51,8 +61,48 @@ class ServerSettings:
                     zmq_problem("--kv-events-endpoint", self.kv_events_endpoint),
                     zmq_problem("--kv-events-replay-endpoint", self.kv_events_replay_endpoint),
                     "--kv-events-replay-endpoint needs --kv-events-endpoint (it replays what that one published)"
-                    if self.kv_events_replay_endpoint and not self.kv_events_endpoint else None]
+                    if self.kv_events_replay_endpoint and not self.kv_events_endpoint else None,
+                    self.ttft_problem()]
         problems = [p for p in problems if p]
         if problems:
             raise ValueError("; ".join(problems))
 
+    def ttft_problem(self) -> str | None:
+        try:
+            self.bucket_ttft_map()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def bucket_ttft_map(self) -> dict[str, float]:
+        """Seconds to first token, by bucket."""
+        from ..config import by_bucket
+
+        return {k: v / 1000 for k, v in by_bucket(self.bucket_ttft_ms, "bucket_ttft_ms", "positive number").items()}
+
+
+def memory_limit() -> tuple[int, str] | None:
+    """The container's memory limit in bytes and where it was read, or None when there is none."""
+    sources = [(MEMORY_LIMIT_ENV, os.environ.get(MEMORY_LIMIT_ENV, ""))]
+    for path in CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                sources.append((path, f.read()))
+        except OSError:
+            continue
+    for where, text in sources:
+        text = text.strip()
+        if text.isdigit() and 0 < int(text) < NO_LIMIT:
+            return int(text), where
+    return None
+
+
+def kv_pool_problem(kv_cache_memory_gb: float, num_blocks: int) -> str | None:
+    """Why a KV pool of this size cannot fit the container: refused at start rather than OOM-killed once it fills.
+    A fixed --num-blocks is sized only once the model is loaded, so only the memory budget is checked here."""
+    limit = memory_limit()
+    want = int(kv_cache_memory_gb * 2**30)
+    if num_blocks or limit is None or want < limit[0]:
+        return None
+    return (f"--kv-cache-memory-gb {kv_cache_memory_gb:g} ({want} bytes) does not fit the container's memory limit "
+            f"of {limit[0]} bytes ({limit[1]}), which must also hold the model: lower it or raise the limit")
