@@ -104,7 +104,8 @@ def engine_auth(cluster: Cluster, ns: str, service: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def wait_until(what: str, fn, timeout: float = 60, interval: float = 0.5):
+def wait_until(what: str, fn, timeout: float = 60, interval: float = 0.5, more=None):
+    """fn's first truthy answer within timeout; else an AssertionError with its last answer and more()'s text."""
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -116,7 +117,8 @@ def wait_until(what: str, fn, timeout: float = 60, interval: float = 0.5):
             if last:
                 return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}"[:3000])
+    extra = f"; {more()}" if more else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}{extra}"[:3000])
 
 
 def free_ports(n: int) -> int:

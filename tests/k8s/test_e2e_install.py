@@ -93,6 +93,13 @@ def running(pod: dict) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
 
 
+def spread_over(pods: list[dict], seen: list[list[float]]) -> list[float] | None:
+    """Each engine's running requests, once all 10 streams run and each engine has at least 3."""
+    n = [running(p) for p in pods]
+    seen.append(n)
+    return n if sum(n) == 10 and min(n) >= 3 else None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["helm", "kustomize"])
 def test_install_apply_call_measure_scale_down_delete_uninstall(crds, how):
@@ -140,10 +147,11 @@ def test_install_apply_call_measure_scale_down_delete_uninstall(crds, how):
         tokens = min(1800, max(MIN_TOKENS, math.ceil(3 * (DRAIN_S + 5) / tpot)))
         pods = crds.items("pods", svc_ns, "slofleet.dev/service=chat,slofleet.dev/role=unified")
         assert len(pods) == 2
+        seen: list[list[float]] = []
         with concurrent.futures.ThreadPoolExecutor(10) as pool:
             streams = [pool.submit(ask, url, 100 + i, False, tokens) for i in range(10)]
-            spread = wait_until("10 streams spread over both engines", lambda: (
-                n := [running(p) for p in pods]) and sum(n) == 10 and min(n) >= 3 and n, 60)
+            spread = wait_until("10 streams spread over both engines", lambda: spread_over(pods, seen), 60,
+                                more=lambda: f"the engines' running counts, last 10 reads: {seen[-10:]}")
             crds.kubectl("patch", "llms", "chat", "-n", svc_ns, "--type", "merge",
                          "-p", json.dumps({"spec": {"topology": {"unified": {"replicas": 1}}}}))
             phase(f"scaling 2 -> 1 with streams of {tokens} tokens on {spread}")

@@ -153,6 +153,23 @@ def test_prefix_affinity_with_bounded_load():
     assert b.choose(reps, None, set()) is not reps[0]  # no affinity key: least loaded
 
 
+def test_a_burst_after_a_batch_spreads_although_the_probes_are_stale():
+    """The last probe saw a batch running on one replica; that batch has since ended through this router. The next
+    burst must still spread evenly over both, not pile onto the other until the next probe."""
+    busy, idle = Replica("http://busy", ready=True), Replica("http://idle", ready=True)
+    busy.running, busy.waiting, busy.inflight = 4.0, 1.0, 5
+    for _ in range(5):
+        busy.ended()
+    assert (busy.inflight, busy.running, busy.waiting, busy.load()) == (0, 0.0, 0.0, 0.0)
+    b = Balancer("least-load")
+    for _ in range(10):
+        b.choose([busy, idle], None, set()).inflight += 1
+    assert (busy.inflight, idle.inflight) == (5, 5)
+    other = Replica("http://shared", ready=True, running=3.0, inflight=1)  # two of its three are another router's
+    other.ended()
+    assert other.load() == 2.0
+
+
 def test_ring_moves_only_the_removed_replicas_keys():
     keys = [prefix_key(f"prompt {i} " * 40, 256) for i in range(300)]
     full, less = Ring(["a", "b", "c", "d"]), Ring(["a", "b", "c"])

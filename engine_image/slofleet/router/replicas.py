@@ -78,6 +78,16 @@ class Replica:
         (or direct clients) put more there."""
         return max(float(self.inflight), self.waiting + self.running)
 
+    def ended(self) -> None:
+        """A request this router relayed has ended. The engine's counts from the last probe held it too, so they
+        drop by one until the next probe: else a burst right after a batch ends reads the stale counts as load
+        and piles onto the replicas probed while idle."""
+        self.inflight -= 1
+        if self.running >= 1:
+            self.running -= 1
+        elif self.waiting >= 1:
+            self.waiting -= 1
+
 
 def parse_load(text: str, names: dict[str, str] = SCRAPED) -> dict[str, float]:
     """The three gauges the router needs (by `scraped`'s names), summed over label sets. Raises ValueError on a

@@ -309,7 +309,7 @@ class Upstream:
                           kind="unavailable")
             raise
         finally:
-            replica.inflight -= 1
+            replica.ended()
             got = resp.progress()
             chunks, last = chunks + got.chunks, got.tail or last
             resp.release() if done else resp.close()
