@@ -20,28 +20,12 @@ from slofleet.router.proxy import RouterConfig
 from slofleet.router.replicas import ReplicaSet
 from slofleet.router.upstream import Failed, Opened, Upstream
 from slofleet.tracing.core import Tracing
+from tests.router.helpers import Answer
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 CHAT = RoutedBucket.model_validate({"name": "chat", "slo": {"ttftMs": 200}})
 OK = b"data: {}\n\n"
 HANG = "hang"
-
-
-class Answer:
-    def __init__(self, status: int, body: bytes):
-        self.status, self.body, self.closed = status, body, False
-
-    async def read(self) -> bytes:
-        return self.body
-
-    async def readany(self) -> bytes:
-        return self.body
-
-    def close(self) -> None:
-        self.closed = True
-
-    def header(self, name: bytes) -> str | None:
-        return None
 
 
 class Pool:

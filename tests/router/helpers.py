@@ -7,6 +7,25 @@ import json
 from tests.support.server import serve_in_thread
 
 
+class Answer:
+    """An upstream answer as Upstream's opener returns it, for the tests that drive Upstream's tries in-process."""
+
+    def __init__(self, status: int, body: bytes):
+        self.status, self.body, self.closed = status, body, False
+
+    async def read(self) -> bytes:
+        return self.body
+
+    async def readany(self) -> bytes:
+        return self.body
+
+    def close(self) -> None:
+        self.closed = True
+
+    def header(self, name: bytes) -> str | None:
+        return None
+
+
 class StandIn:
     """A stand-in engine (not the real one): answers /ready, /metrics and /v1/models (with `max_model_len` when
     set), and streams one SSE event echoing what it received (priority, bucket header) after `delay` seconds, then

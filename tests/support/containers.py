@@ -93,12 +93,17 @@ class Containerd:
         for task in self.ctr("containers", "ls", "-q").split():
             self.ctr("tasks", "delete", "-f", task)
             self.ctr("containers", "delete", task)
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
-        for mount in reversed(mounts_under(self.folder)):
-            subprocess.run(["umount", "-l", mount], capture_output=True)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        end(self.proc, self.folder)
+
+
+def end(proc: subprocess.Popen | None, folder: Path) -> None:
+    """Stop a daemon, then unmount what it left under its folder and remove the folder."""
+    if proc and proc.poll() is None:
+        proc.terminate()
+        proc.wait(30)
+    for mount in reversed(mounts_under(folder)):
+        subprocess.run(["umount", "-l", mount], capture_output=True)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def mounts_under(folder: Path) -> list[str]:
@@ -156,12 +161,7 @@ class Kubelet:
             except OSError:
                 pass
             time.sleep(0.5)
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
-        for mount in reversed(mounts_under(self.folder)):
-            subprocess.run(["umount", "-l", mount], capture_output=True)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        end(self.proc, self.folder)
 
 
 def build_image(python: str = sys.executable) -> int:
